@@ -1,0 +1,306 @@
+// kvpack packed K/V format, version 1.
+//
+// One definition for host and device code: the CPU reference, the CUDA kernels and the planner all
+// include this header. Nothing here allocates, throws or knows about the server.
+//
+// ── What is stored ────────────────────────────────────────────────────────────────────────────────
+// For every (token, head) row of d values (d = head_dim):
+//   K row:  R · ((k − μ_k) / λ)      quantized per row
+//   V row:  R · (v − μ_v)            quantized per row
+//   Q row:  R · (q ⊙ λ)              bf16, never stored in pages
+// R = H_d · diag(s) / √d (rotation.h), μ and λ per (head, channel), all three steps optional.
+// q·k is preserved up to q·μ_k, which is the same for every key of a query row (softmax-invariant);
+// the output is o = Rᵀ·(Σ p·v̂) + μ_v because Σ p = 1.
+//
+// ── Pages ─────────────────────────────────────────────────────────────────────────────────────────
+// A page holds kPageTokens = 64 consecutive tokens of ONE head in ONE format. Every token range
+// starts a new page; a page knows how many of its slots are valid (PageDesc::n_valid) and kernels
+// mask the rest (their bytes are zero). K and V of the same tokens live in separate pages of the
+// same format. Inside a page, all code rows come first, then all metadata rows:
+//
+//   offset 0                                  64·CodeBytes(f,d)               PageBytes(f,d)
+//   ├─ row 0 codes ─┼─ row 1 codes ─┼ … ┼─ row 63 ─┼─ meta 0 ─┼─ meta 1 ─┼ … ┼─ meta 63 ─┤
+//
+// Page sizes (bytes):          d = 64     d = 128
+//   kInt4  (d/2 + 4)·64         2304       4352
+//   kInt8  (d   + 2)·64         4224       8320
+//   kBf16  (2d     )·64         8192      16384
+// All are multiples of 128, so pages placed at 128-byte aligned offsets stay aligned.
+//
+// ── INT4 row (asymmetric) ─────────────────────────────────────────────────────────────────────────
+//   codes: d/2 bytes; byte j holds channel 2j in its LOW nibble and channel 2j+1 in its HIGH nibble
+//
+//        byte 0              byte 1              byte j
+//     ┌────────┬────────┐ ┌────────┬────────┐ ┌──────────┬────────┐
+//     │ c1 7:4 │ c0 3:0 │ │ c3 7:4 │ c2 3:0 │ │ c2j+1    │ c2j    │
+//     └────────┴────────┘ └────────┴────────┘ └──────────┴────────┘
+//   meta: Int4RowMeta { fp16 scale; fp16 lo; }  (4 bytes, little-endian, scale first)
+//   encode: lo = min x, scale = (max x − min x)/15, both rounded to fp16 FIRST; then
+//           code = clamp(rne((x − lo) · (1/scale)), 0, 15)   (fp32, 1/scale correctly rounded)
+//   decode: x̂ = lo + code · scale
+//
+// ── INT8 row (symmetric) ──────────────────────────────────────────────────────────────────────────
+//   codes: d bytes, two's complement, −127..127 (−128 never written)
+//   meta: Int8RowMeta { fp16 scale; }  (2 bytes)
+//   encode: scale = max|x| / 127 rounded to fp16; code = clamp(rne(x · (1/scale)), −127, 127)
+//   decode: x̂ = code · scale
+//
+// ── BF16 row ──────────────────────────────────────────────────────────────────────────────────────
+//   codes: d little-endian bf16 values (round to nearest even), no metadata.
+//
+// Encoding is defined in fp32 with round-to-nearest-even (rintf) and a correctly rounded reciprocal
+// so that host and device produce identical codes from identical inputs.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define KVPACK_HD __host__ __device__
+#else
+#define KVPACK_HD
+#endif
+
+namespace kvpack {
+
+inline constexpr int kFormatVersion = 1;
+inline constexpr int kPageTokens = 64;
+inline constexpr int kMinHeadDimCpu = 16;
+inline constexpr int kMaxHeadDimCpu = 256;
+
+// Stable numeric values: they travel in the API and in page descriptors.
+enum class PageFormat : uint8_t { kInt4 = 0, kInt8 = 1, kBf16 = 2 };
+inline constexpr int kNumPageFormats = 3;
+
+KVPACK_HD constexpr bool IsValidPageFormat(int f) { return f >= 0 && f < kNumPageFormats; }
+
+// Bytes of one row's codes.
+KVPACK_HD constexpr int CodeBytesPerRow(PageFormat f, int head_dim) {
+  return f == PageFormat::kInt4 ? head_dim / 2 : f == PageFormat::kInt8 ? head_dim : 2 * head_dim;
+}
+// Bytes of one row's metadata.
+KVPACK_HD constexpr int MetaBytesPerRow(PageFormat f) {
+  return f == PageFormat::kInt4 ? 4 : f == PageFormat::kInt8 ? 2 : 0;
+}
+// Byte offset of the metadata block inside a page.
+KVPACK_HD constexpr int MetaOffset(PageFormat f, int head_dim) {
+  return kPageTokens * CodeBytesPerRow(f, head_dim);
+}
+KVPACK_HD constexpr int PageBytes(PageFormat f, int head_dim) {
+  return kPageTokens * (CodeBytesPerRow(f, head_dim) + MetaBytesPerRow(f));
+}
+// Bits actually stored per value, metadata included (e.g. INT4 at d = 128: 4.25).
+KVPACK_HD constexpr double BitsPerValue(PageFormat f, int head_dim) {
+  return 8.0 * (CodeBytesPerRow(f, head_dim) + MetaBytesPerRow(f)) / head_dim;
+}
+
+static_assert(PageBytes(PageFormat::kInt4, 128) == 4352, "INT4 page, d=128");
+static_assert(PageBytes(PageFormat::kInt8, 128) == 8320, "INT8 page, d=128");
+static_assert(PageBytes(PageFormat::kBf16, 128) == 16384, "BF16 page, d=128");
+static_assert(PageBytes(PageFormat::kInt4, 64) == 2304, "INT4 page, d=64");
+static_assert(PageBytes(PageFormat::kInt8, 64) == 4224, "INT8 page, d=64");
+static_assert(PageBytes(PageFormat::kBf16, 64) == 8192, "BF16 page, d=64");
+static_assert(PageBytes(PageFormat::kInt4, 128) % 128 == 0 && PageBytes(PageFormat::kInt8, 128) % 128 == 0 &&
+                  PageBytes(PageFormat::kInt4, 64) % 128 == 0 && PageBytes(PageFormat::kInt8, 64) % 128 == 0,
+              "pages keep 128-byte alignment");
+
+struct Int4RowMeta {
+  uint16_t scale;  // fp16 bits
+  uint16_t lo;     // fp16 bits
+};
+struct Int8RowMeta {
+  uint16_t scale;  // fp16 bits
+};
+static_assert(sizeof(Int4RowMeta) == 4, "INT4 row metadata is two fp16");
+static_assert(sizeof(Int8RowMeta) == 2, "INT8 row metadata is one fp16");
+
+// One page of the shared token layout (the same for every head of an entry). 16 bytes so that a
+// warp reads two descriptors per 32-byte sector.
+struct PageDesc {
+  int32_t token_begin;  // sequence position of slot 0
+  int32_t seq_id;       // sequence id of every token in the page
+  uint16_t n_valid;     // 1..kPageTokens valid slots, from slot 0
+  uint8_t format;       // PageFormat
+  uint8_t range_index;  // index of the token range the page belongs to (< 256 ranges per entry)
+  uint32_t reserved;    // zero
+};
+static_assert(sizeof(PageDesc) == 16, "PageDesc is 16 bytes");
+
+// ── Scalar conversions (bit-exact with CUDA's __float2half_rn / __float2bfloat16_rn) ─────────────
+
+KVPACK_HD inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+KVPACK_HD inline float BitsFloat(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// fp32 → fp16, round to nearest even, overflow to ±inf, NaN stays NaN.
+KVPACK_HD inline uint16_t FloatToHalf(float f) {
+  const uint32_t x = FloatBits(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (ax >= 0x47800000u) return static_cast<uint16_t>(sign | 0x7c00u);  // ≥ 65536
+  if (ax < 0x38800000u) {                                                 // below 2^-14: subnormal
+    const uint32_t e = ax >> 23;
+    const uint32_t shift = 126u - e;  // value = m·2^(e−150), half unit 2^-24
+    if (shift > 24u) return static_cast<uint16_t>(sign);
+    const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+    uint32_t h = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1u);
+    const uint32_t half = 1u << (shift - 1u);
+    if (rem > half || (rem == half && (h & 1u))) ++h;
+    return static_cast<uint16_t>(sign | h);
+  }
+  uint32_t h = (ax >> 13) - (112u << 10);  // rebias exponent 127 → 15
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // may carry into ±inf: correct
+  return static_cast<uint16_t>(sign | h);
+}
+
+KVPACK_HD inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu;
+  const uint32_t m = h & 0x3ffu;
+  if (e == 0) {
+    const float v = static_cast<float>(m) * 5.9604644775390625e-8f;  // m · 2^-24, exact
+    return sign ? -v : v;
+  }
+  if (e == 31) return BitsFloat(sign | 0x7f800000u | (m << 13));
+  return BitsFloat(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// fp32 → bf16, round to nearest even; NaN stays a quiet NaN.
+KVPACK_HD inline uint16_t FloatToBf16(float f) {
+  uint32_t x = FloatBits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+KVPACK_HD inline float Bf16ToFloat(uint16_t b) { return BitsFloat(static_cast<uint32_t>(b) << 16); }
+
+inline constexpr float kHalfMax = 65504.0f;
+
+KVPACK_HD inline float ClampToHalfRange(float v) {
+  return v > kHalfMax ? kHalfMax : (v < -kHalfMax ? -kHalfMax : v);
+}
+
+// ── Scalar reference encoders and decoders of one row ────────────────────────────────────────────
+// REQUIRES: head_dim even; x finite. codes has CodeBytesPerRow(f, head_dim) bytes.
+
+KVPACK_HD inline void EncodeRowInt4(const float* x, int head_dim, uint8_t* codes, Int4RowMeta* meta) {
+  float mn = x[0], mx = x[0];
+  for (int i = 1; i < head_dim; ++i) {
+    mn = x[i] < mn ? x[i] : mn;
+    mx = x[i] > mx ? x[i] : mx;
+  }
+  meta->scale = FloatToHalf(ClampToHalfRange((mx - mn) / 15.0f));
+  meta->lo = FloatToHalf(ClampToHalfRange(mn));
+  const float scale = HalfToFloat(meta->scale);
+  const float lo = HalfToFloat(meta->lo);
+  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  for (int j = 0; j < head_dim / 2; ++j) {
+    float c0 = rintf((x[2 * j] - lo) * inv);
+    float c1 = rintf((x[2 * j + 1] - lo) * inv);
+    c0 = c0 < 0.0f ? 0.0f : (c0 > 15.0f ? 15.0f : c0);
+    c1 = c1 < 0.0f ? 0.0f : (c1 > 15.0f ? 15.0f : c1);
+    codes[j] = static_cast<uint8_t>(static_cast<uint32_t>(c0) | (static_cast<uint32_t>(c1) << 4));
+  }
+}
+
+KVPACK_HD inline float DecodeInt4(uint8_t byte, int nibble, Int4RowMeta meta) {
+  const int code = nibble ? (byte >> 4) : (byte & 0xf);
+  return HalfToFloat(meta.lo) + static_cast<float>(code) * HalfToFloat(meta.scale);
+}
+
+KVPACK_HD inline void DecodeRowInt4(const uint8_t* codes, Int4RowMeta meta, int head_dim, float* out) {
+  for (int i = 0; i < head_dim; ++i) out[i] = DecodeInt4(codes[i / 2], i & 1, meta);
+}
+
+KVPACK_HD inline void EncodeRowInt8(const float* x, int head_dim, int8_t* codes, Int8RowMeta* meta) {
+  float amax = 0.0f;
+  for (int i = 0; i < head_dim; ++i) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+  meta->scale = FloatToHalf(ClampToHalfRange(amax / 127.0f));
+  const float scale = HalfToFloat(meta->scale);
+  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  for (int i = 0; i < head_dim; ++i) {
+    float c = rintf(x[i] * inv);
+    c = c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c);
+    codes[i] = static_cast<int8_t>(c);
+  }
+}
+
+KVPACK_HD inline void DecodeRowInt8(const int8_t* codes, Int8RowMeta meta, int head_dim, float* out) {
+  const float scale = HalfToFloat(meta.scale);
+  for (int i = 0; i < head_dim; ++i) out[i] = static_cast<float>(codes[i]) * scale;
+}
+
+KVPACK_HD inline void EncodeRowBf16(const float* x, int head_dim, uint16_t* codes) {
+  for (int i = 0; i < head_dim; ++i) codes[i] = FloatToBf16(x[i]);
+}
+
+KVPACK_HD inline void DecodeRowBf16(const uint16_t* codes, int head_dim, float* out) {
+  for (int i = 0; i < head_dim; ++i) out[i] = Bf16ToFloat(codes[i]);
+}
+
+// Encodes row `slot` of a page in format f. `page` points at the page's first byte.
+KVPACK_HD inline void EncodePageRow(PageFormat f, const float* x, int head_dim, int slot, uint8_t* page) {
+  uint8_t* codes = page + slot * CodeBytesPerRow(f, head_dim);
+  uint8_t* meta = page + MetaOffset(f, head_dim) + slot * MetaBytesPerRow(f);
+  switch (f) {
+    case PageFormat::kInt4: {
+      Int4RowMeta m;
+      EncodeRowInt4(x, head_dim, codes, &m);
+      memcpy(meta, &m, sizeof(m));
+      break;
+    }
+    case PageFormat::kInt8: {
+      Int8RowMeta m;
+      EncodeRowInt8(x, head_dim, reinterpret_cast<int8_t*>(codes), &m);
+      memcpy(meta, &m, sizeof(m));
+      break;
+    }
+    case PageFormat::kBf16: {
+      uint16_t tmp[kMaxHeadDimCpu];
+      EncodeRowBf16(x, head_dim, tmp);
+      memcpy(codes, tmp, 2 * head_dim);
+      break;
+    }
+  }
+}
+
+// Decodes row `slot` of a page in format f into out[head_dim].
+KVPACK_HD inline void DecodePageRow(PageFormat f, const uint8_t* page, int head_dim, int slot, float* out) {
+  const uint8_t* codes = page + slot * CodeBytesPerRow(f, head_dim);
+  const uint8_t* meta = page + MetaOffset(f, head_dim) + slot * MetaBytesPerRow(f);
+  switch (f) {
+    case PageFormat::kInt4: {
+      Int4RowMeta m;
+      memcpy(&m, meta, sizeof(m));
+      DecodeRowInt4(codes, m, head_dim, out);
+      break;
+    }
+    case PageFormat::kInt8: {
+      Int8RowMeta m;
+      memcpy(&m, meta, sizeof(m));
+      DecodeRowInt8(reinterpret_cast<const int8_t*>(codes), m, head_dim, out);
+      break;
+    }
+    case PageFormat::kBf16: {
+      for (int i = 0; i < head_dim; ++i) {
+        uint16_t b;
+        memcpy(&b, codes + 2 * i, 2);
+        out[i] = Bf16ToFloat(b);
+      }
+      break;
+    }
+  }
+}
+
+}  // namespace kvpack

@@ -1,0 +1,128 @@
+#include "kernels/layer_spec.h"
+
+#include <string>
+
+#include "kernels/rotation.h"
+
+namespace kvpack {
+namespace {
+
+std::string RangeField(size_t i, const char* field) {
+  return "ranges[" + std::to_string(i) + "]." + field;
+}
+
+}  // namespace
+
+std::vector<PageDesc> BuildPageLayout(const std::vector<TokenRange>& ranges) {
+  std::vector<PageDesc> pages;
+  for (size_t r = 0; r < ranges.size(); ++r) {
+    const TokenRange& range = ranges[r];
+    for (int64_t t = range.begin; t < range.end; t += kPageTokens) {
+      PageDesc page{};
+      page.token_begin = static_cast<int32_t>(t);
+      page.seq_id = range.seq_id;
+      page.n_valid = static_cast<uint16_t>(range.end - t < kPageTokens ? range.end - t : kPageTokens);
+      page.format = static_cast<uint8_t>(range.format);
+      page.range_index = static_cast<uint8_t>(r);
+      pages.push_back(page);
+    }
+  }
+  return pages;
+}
+
+Error ValidateRanges(int64_t n_tokens, const std::vector<TokenRange>& ranges) {
+  if (ranges.empty()) return InvalidArgument("ranges: at least one token range is required");
+  if (ranges.size() > static_cast<size_t>(kMaxRanges)) {
+    return InvalidArgument("ranges: " + std::to_string(ranges.size()) + " ranges, at most " +
+                           std::to_string(kMaxRanges) + " allowed");
+  }
+  int64_t expected_begin = 0;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const TokenRange& r = ranges[i];
+    if (!IsValidPageFormat(static_cast<int>(r.format))) {
+      return InvalidArgument(RangeField(i, "format") + " = " + std::to_string(static_cast<int>(r.format)) +
+                             " is not a known format (0 int4, 1 int8, 2 bf16)");
+    }
+    if (r.begin < expected_begin) {
+      return InvalidArgument(RangeField(i, "begin") + " = " + std::to_string(r.begin) +
+                             " overlaps the previous range, which ends at " + std::to_string(expected_begin));
+    }
+    if (r.begin > expected_begin) {
+      return InvalidArgument(RangeField(i, "begin") + " = " + std::to_string(r.begin) + " leaves tokens [" +
+                             std::to_string(expected_begin) + ", " + std::to_string(r.begin) +
+                             ") in no range; ranges must cover every token");
+    }
+    if (r.end <= r.begin) {
+      return InvalidArgument(RangeField(i, "end") + " = " + std::to_string(r.end) + " is not after begin = " +
+                             std::to_string(r.begin));
+    }
+    if (r.end > n_tokens) {
+      return InvalidArgument(RangeField(i, "end") + " = " + std::to_string(r.end) +
+                             " is past the sequence end (n_tokens = " + std::to_string(n_tokens) + ")");
+    }
+    expected_begin = r.end;
+  }
+  if (expected_begin != n_tokens) {
+    return InvalidArgument("ranges: the last range ends at " + std::to_string(expected_begin) +
+                           " but n_tokens = " + std::to_string(n_tokens) + "; ranges must cover every token");
+  }
+  return Error::Ok();
+}
+
+Error ValidateShape(const LayerShape& shape, bool for_gpu) {
+  if (shape.n_tokens <= 0) return InvalidArgument("n_tokens = " + std::to_string(shape.n_tokens) + " must be positive");
+  if (shape.n_tokens > INT32_MAX) {
+    return InvalidArgument("n_tokens = " + std::to_string(shape.n_tokens) + " exceeds 2^31 - 1");
+  }
+  if (shape.hidden <= 0) return InvalidArgument("hidden = " + std::to_string(shape.hidden) + " must be positive");
+  if (shape.n_heads <= 0) return InvalidArgument("n_heads = " + std::to_string(shape.n_heads) + " must be positive");
+  const int d = shape.head_dim;
+  if (for_gpu) {
+    if (d != 64 && d != 128) {
+      return Error(ErrorCode::kUnsupported,
+                   "head_dim = " + std::to_string(d) + " is not supported on the GPU (64 or 128)");
+    }
+  } else if (!IsPowerOfTwo(d) || d < kMinHeadDimCpu || d > kMaxHeadDimCpu) {
+    return Error(ErrorCode::kUnsupported, "head_dim = " + std::to_string(d) +
+                                              " is not supported (a power of two from 16 to 256)");
+  }
+  return Error::Ok();
+}
+
+Error ValidateRope(const RopeOptions& rope, int head_dim) {
+  if (rope.layout == RopeLayout::kNone) return Error::Ok();
+  if (rope.layout != RopeLayout::kInterleaved && rope.layout != RopeLayout::kSplitHalves) {
+    return InvalidArgument("rope.layout = " + std::to_string(static_cast<int>(rope.layout)) + " is unknown");
+  }
+  if (rope.n_axes < 1 || rope.n_axes > 3) {
+    return InvalidArgument("rope.n_axes = " + std::to_string(rope.n_axes) + " must be 1, 2 or 3");
+  }
+  if (!(rope.theta > 0.0f)) return InvalidArgument("rope.theta must be positive");
+  int total = 0;
+  for (int a = 0; a < rope.n_axes; ++a) {
+    const int dims = rope.axis_dims[a];
+    if (dims <= 0 || dims % 2 != 0) {
+      return InvalidArgument("rope.axis_dims[" + std::to_string(a) + "] = " + std::to_string(dims) +
+                             " must be positive and even");
+    }
+    total += dims;
+  }
+  if (total > head_dim) {
+    return InvalidArgument("rope.axis_dims sum to " + std::to_string(total) + ", more than head_dim = " +
+                           std::to_string(head_dim));
+  }
+  return Error::Ok();
+}
+
+Error ValidateQkNorm(const QkNormOptions& norm, const LayerShape& shape) {
+  if (!norm.enabled) return Error::Ok();
+  if (norm.weight_len != shape.head_dim && norm.weight_len != shape.HeadCols()) {
+    return InvalidArgument("qk_norm.weight_len = " + std::to_string(norm.weight_len) + " must be head_dim (" +
+                           std::to_string(shape.head_dim) + ") or n_heads * head_dim (" +
+                           std::to_string(shape.HeadCols()) + ")");
+  }
+  if (!(norm.eps > 0.0f)) return InvalidArgument("qk_norm.eps must be positive");
+  return Error::Ok();
+}
+
+}  // namespace kvpack

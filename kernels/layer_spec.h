@@ -1,0 +1,138 @@
+// What one attention layer is, in the terms every backend shares: shapes, token ranges, options,
+// tensor pointers, and the view of a packed K/V entry that the attention kernels read.
+//
+// Plain C++ (usable from .cu files, the planner and the service). Units: tokens, channels, bytes.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/error.h"
+#include "kernels/format.h"
+
+namespace kvpack {
+
+// ── Shapes and ranges ───────────────────────────────────────────────────────────────────────────
+
+struct LayerShape {
+  int64_t n_tokens = 0;  // N: rows of x, queries and keys (self-attention over the packed sequence)
+  int hidden = 0;        // D: columns of x
+  int n_heads = 0;       // H
+  int head_dim = 0;      // d; H·d need not equal D (then the output cannot overwrite x)
+
+  int64_t QkvCols() const { return 3ll * n_heads * head_dim; }
+  int64_t HeadCols() const { return static_cast<int64_t>(n_heads) * head_dim; }
+};
+
+// A half-open token interval [begin, end) stored in one format. Ranges must tile [0, N) exactly, in
+// order, with no gaps or overlaps. The planner resolves a caller's list of allowed formats into the
+// one `format` here.
+struct TokenRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int32_t seq_id = 0;  // a query attends only to keys with the same seq_id
+  PageFormat format = PageFormat::kInt4;
+};
+inline constexpr int kMaxRanges = 256;  // PageDesc::range_index is 8 bits
+
+// ── Options ─────────────────────────────────────────────────────────────────────────────────────
+
+enum class RopeLayout : uint8_t {
+  kNone = 0,
+  kInterleaved = 1,  // pairs (2i, 2i+1) of the rotary channels
+  kSplitHalves = 2,  // pairs (i, i + R/2), R the rotary channel count (GPT-NeoX "rotate_half")
+};
+
+// Rotary embedding on up to three position axes (t, h, w). The rotary channels are the first
+// R = Σ axis_dims channels of each head; pair j of them (in the layout's pairing) belongs to the
+// axis whose section holds j (sections of axis_dims[a]/2 pairs, in axis order), and turns by
+// positions[token, a] · theta^(−2i/axis_dims[a]), i its index inside the section.
+struct RopeOptions {
+  RopeLayout layout = RopeLayout::kNone;
+  float theta = 10000.0f;
+  int n_axes = 0;                  // 1..3 when layout != kNone
+  int axis_dims[3] = {0, 0, 0};    // each even, Σ ≤ head_dim
+};
+
+// Per-head RMS norm of q and k: x · rsqrt(mean(x²) + eps) · w, applied before RoPE.
+struct QkNormOptions {
+  bool enabled = false;
+  float eps = 1e-6f;
+  int weight_len = 0;  // head_dim (one weight vector for all heads) or n_heads·head_dim
+};
+
+// The format's three exact transforms (format.h). Each can be switched off for tests and comparison.
+struct TransformOptions {
+  bool rotate = true;
+  bool smooth = true;
+  bool balance = true;
+  uint64_t seed = 0x6b7670616b763031ull;  // rotation signs; stored with the entry
+  int stats_sample_tokens = 1024;          // strided pre-pass sample for μ and λ
+};
+
+struct AttentionOptions {
+  float softmax_scale = 0.0f;  // 0 means 1/√head_dim
+  bool causal = false;         // key position ≤ query position (token index), within a sequence
+};
+
+// ── Tensors ─────────────────────────────────────────────────────────────────────────────────────
+
+// Per-(head, channel) statistics, each [n_heads · head_dim] floats. With smoothing off μ is zero;
+// with balancing off λ is one. Callers may pass their own (e.g. the previous diffusion step's).
+struct KvStats {
+  std::vector<float> mu_k;
+  std::vector<float> mu_v;
+  std::vector<float> lambda;
+};
+
+// Inputs and output of one layer. Pointers are host or device memory as the backend requires.
+// Ownership stays with the caller. Weights use nn.Linear's layout: qkv = x · Wᵀ, W rows [q | k | v],
+// each block n_heads·head_dim rows, head-major (row h·d + c is channel c of head h).
+struct LayerTensors {
+  const uint16_t* x = nullptr;              // bf16 [N, D]
+  const uint16_t* w_qkv = nullptr;          // bf16 [3·H·d, D]
+  const float* bias = nullptr;              // [3·H·d] or null
+  const float* q_norm_weight = nullptr;     // [QkNormOptions::weight_len] or null
+  const float* k_norm_weight = nullptr;     // [QkNormOptions::weight_len] or null
+  const float* positions = nullptr;         // [N, RopeOptions::n_axes] or null without RoPE
+  uint16_t* out = nullptr;                  // bf16 [N, H·d]; may equal x when D == H·d (in place)
+};
+
+// ── Packed entry as kernels see it ──────────────────────────────────────────────────────────────
+
+// Plain pointers into one memory space (host for the CPU backend, device for CUDA). Page p of
+// head h: K at pool + k_offsets[h·n_pages + p], V at pool + v_offsets[h·n_pages + p].
+struct KvEntryView {
+  int n_heads = 0;
+  int head_dim = 0;
+  int64_t n_tokens = 0;
+  int n_pages = 0;
+  const PageDesc* pages = nullptr;     // [n_pages], shared by all heads
+  const uint8_t* pool = nullptr;
+  const uint64_t* k_offsets = nullptr; // [n_heads · n_pages]
+  const uint64_t* v_offsets = nullptr; // [n_heads · n_pages]
+  const float* mu_k = nullptr;         // [n_heads · head_dim]
+  const float* mu_v = nullptr;         // [n_heads · head_dim]
+  const float* lambda = nullptr;       // [n_heads · head_dim]
+  uint64_t seed = 0;
+  bool rotate = true;
+};
+
+// ── Shared host-side helpers (layer_spec.cc) ────────────────────────────────────────────────────
+
+// Pages of the token layout: each range split into ceil(len/64) pages, the last one partial.
+std::vector<PageDesc> BuildPageLayout(const std::vector<TokenRange>& ranges);
+
+// Checks that ranges tile [0, n_tokens) in order, are at most kMaxRanges, and name known formats.
+// The message names the first bad range by index and field ("ranges[2].begin = 90 overlaps ...").
+Error ValidateRanges(int64_t n_tokens, const std::vector<TokenRange>& ranges);
+
+// Checks shapes: positive sizes, head_dim a power of two in [16, 256] (or {64, 128} when
+// for_gpu), hidden > 0.
+Error ValidateShape(const LayerShape& shape, bool for_gpu);
+
+// Checks RoPE and QK-norm options against head_dim / n_heads.
+Error ValidateRope(const RopeOptions& rope, int head_dim);
+Error ValidateQkNorm(const QkNormOptions& norm, const LayerShape& shape);
+
+}  // namespace kvpack

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what kvpack needs on a fresh Debian 12 machine; idempotent (does nothing when all is there).
+#   Debian: compilers and CMake, gRPC, protobuf, Abseil, prometheus-cpp, GoogleTest, Prometheus, ccache
+#   PyPI:   the Python client's build and test tools (client/python)
+# The CUDA toolkit is optional: where /usr/local/cuda/bin/nvcc exists the kernels are built too.
+set -euo pipefail
+
+debs=(build-essential cmake ninja-build pkg-config ccache
+      libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+      prometheus-cpp-dev libgtest-dev libgmock-dev prometheus python3-pip python3-venv)
+missing=()
+for p in "${debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+  $sudo apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+if [ -f "$here/client/python/requirements-dev.txt" ]; then
+  python3 -m pip install -q --disable-pip-version-check -r "$here/client/python/requirements-dev.txt"
+fi

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command: set up, build, run every test (GPU tests skip without a device).
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+"$here/scripts/setup.sh"
+"$here/scripts/build.sh"
+build=${KVPACK_BUILD_DIR:-$here/build}
+ctest --test-dir "$build" --output-on-failure -j "$(nproc)"

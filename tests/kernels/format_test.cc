@@ -1,0 +1,120 @@
+#include "kernels/format.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/rotation.h"
+
+namespace kvpack {
+namespace {
+
+// A decoded INT4/INT8 value lies within half a quantization step of its input, plus the fp16
+// rounding of the metadata (relative 2^-11 of the row's magnitude).
+constexpr float kHalfStepSlack = 0.5f + 1e-3f;
+constexpr float kRotationTolerance = 1e-5f;
+
+std::vector<float> StructuredRow(std::mt19937_64& rng, int d) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(d);
+  for (int i = 0; i < d; ++i) x[i] = 0.7f + normal(rng) * (i % 17 == 3 ? 25.0f : 1.0f);  // offset + outliers
+  return x;
+}
+
+TEST(Format, PageSizesMatchTheDesign) {
+  EXPECT_EQ(PageBytes(PageFormat::kInt4, 128), 4352);
+  EXPECT_EQ(PageBytes(PageFormat::kInt8, 128), 8320);
+  EXPECT_EQ(PageBytes(PageFormat::kBf16, 128), 16384);
+  EXPECT_DOUBLE_EQ(BitsPerValue(PageFormat::kInt4, 128), 4.25);
+  EXPECT_DOUBLE_EQ(BitsPerValue(PageFormat::kInt8, 128), 8.125);
+  EXPECT_EQ(MetaOffset(PageFormat::kInt4, 128), 4096);
+}
+
+TEST(Format, HalfRoundTripsEveryFiniteValue) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    if (((h >> 10) & 0x1f) == 0x1f) continue;  // inf / NaN
+    EXPECT_EQ(FloatToHalf(HalfToFloat(static_cast<uint16_t>(h))), h) << "half bits " << h;
+  }
+}
+
+TEST(Format, HalfRoundsToNearestEven) {
+  EXPECT_EQ(FloatToHalf(1.0f + 1.0f / 2048.0f), 0x3c00);           // tie, even stays
+  EXPECT_EQ(FloatToHalf(1.0f + 3.0f / 2048.0f), 0x3c02);           // tie, odd rounds up
+  EXPECT_EQ(FloatToHalf(65520.0f), 0x7c00);                        // tie above max → inf
+  EXPECT_EQ(FloatToHalf(65519.0f), 0x7bff);
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.0f, -25)), 0x0000);           // tie to zero
+  EXPECT_EQ(FloatToHalf(std::ldexp(1.5f, -25)), 0x0001);
+  EXPECT_EQ(FloatToHalf(-2.0f), 0xc000);
+}
+
+TEST(Format, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3f80);
+  EXPECT_EQ(FloatToBf16(BitsFloat(0x3f808000u)), 0x3f80);  // tie, even
+  EXPECT_EQ(FloatToBf16(BitsFloat(0x3f818000u)), 0x3f82);  // tie, odd → up
+  EXPECT_EQ(FloatToBf16(BitsFloat(0x3f808001u)), 0x3f81);
+}
+
+TEST(Format, Int4NibbleOrderIsLowFirst) {
+  std::vector<float> x(16);
+  for (int i = 0; i < 16; ++i) x[i] = static_cast<float>(i);  // lo 0, scale 1: code == channel
+  uint8_t codes[8];
+  Int4RowMeta meta;
+  EncodeRowInt4(x.data(), 16, codes, &meta);
+  EXPECT_EQ(codes[0], 0x10);  // channel 1 high, channel 0 low
+  EXPECT_EQ(codes[7], 0xfe);  // channel 15 high, channel 14 low
+  EXPECT_EQ(HalfToFloat(meta.scale), 1.0f);
+  EXPECT_EQ(HalfToFloat(meta.lo), 0.0f);
+}
+
+TEST(Format, QuantizedRowsDecodeWithinHalfAStep) {
+  std::mt19937_64 rng(1234);
+  for (int d : {16, 64, 128, 256}) {
+    for (int trial = 0; trial < 50; ++trial) {
+      const std::vector<float> x = StructuredRow(rng, d);
+      std::vector<uint8_t> page(PageBytes(PageFormat::kBf16, d));
+      std::vector<float> y(d);
+      for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8, PageFormat::kBf16}) {
+        const int slot = trial % kPageTokens;
+        EncodePageRow(f, x.data(), d, slot, page.data());
+        DecodePageRow(f, page.data(), d, slot, y.data());
+        float mn = x[0], mx = x[0], amax = 0;
+        for (float v : x) mn = std::min(mn, v), mx = std::max(mx, v), amax = std::max(amax, std::fabs(v));
+        const float step = f == PageFormat::kInt4 ? (mx - mn) / 15 : f == PageFormat::kInt8 ? amax / 127 : 0;
+        for (int i = 0; i < d; ++i) {
+          const float bound = f == PageFormat::kBf16 ? std::fabs(x[i]) / 256 : kHalfStepSlack * step;
+          ASSERT_LE(std::fabs(y[i] - x[i]), bound) << "format " << int(f) << " d " << d << " i " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(Rotation, IsOrthogonalAndInvertible) {
+  std::mt19937_64 rng(99);
+  for (int d : {16, 32, 64, 128, 256}) {
+    std::vector<float> x = StructuredRow(rng, d), y = StructuredRow(rng, d);
+    double dot = 0, norm = 0;
+    for (int i = 0; i < d; ++i) dot += double(x[i]) * y[i], norm += double(x[i]) * x[i];
+    std::vector<float> rx = x, ry = y;
+    RotateForward(rx.data(), d, 42);
+    RotateForward(ry.data(), d, 42);
+    double rdot = 0, rnorm = 0;
+    for (int i = 0; i < d; ++i) rdot += double(rx[i]) * ry[i], rnorm += double(rx[i]) * rx[i];
+    EXPECT_NEAR(rdot, dot, kRotationTolerance * norm);
+    EXPECT_NEAR(rnorm, norm, kRotationTolerance * norm);
+    RotateInverse(rx.data(), d, 42);
+    for (int i = 0; i < d; ++i) EXPECT_NEAR(rx[i], x[i], kRotationTolerance * std::sqrt(norm));
+  }
+}
+
+TEST(Rotation, SignsDependOnTheSeed) {
+  int differ = 0;
+  for (int i = 0; i < 128; ++i) differ += RotationSign(1, i) != RotationSign(2, i);
+  EXPECT_GT(differ, 32);
+  EXPECT_LT(differ, 96);
+}
+
+}  // namespace
+}  // namespace kvpack

@@ -1,0 +1,73 @@
+#include "kernels/layer_spec.h"
+
+#include <gtest/gtest.h>
+
+namespace kvpack {
+namespace {
+
+std::vector<TokenRange> TwoRanges() {
+  return {{0, 77, 0, PageFormat::kBf16}, {77, 300, 0, PageFormat::kInt4}};
+}
+
+TEST(PageLayout, EveryRangeStartsAPage) {
+  const std::vector<PageDesc> pages = BuildPageLayout(TwoRanges());
+  ASSERT_EQ(pages.size(), 2u + 4u);  // 77 → 64 + 13; 223 → 64·3 + 31
+  EXPECT_EQ(pages[1].token_begin, 64);
+  EXPECT_EQ(pages[1].n_valid, 13);
+  EXPECT_EQ(pages[2].token_begin, 77);
+  EXPECT_EQ(pages[2].format, static_cast<uint8_t>(PageFormat::kInt4));
+  EXPECT_EQ(pages[5].n_valid, 31);
+  EXPECT_EQ(pages[5].range_index, 1);
+}
+
+TEST(ValidateRanges, AcceptsATiling) { EXPECT_TRUE(ValidateRanges(300, TwoRanges()).ok()); }
+
+TEST(ValidateRanges, NamesTheProblem) {
+  struct Case {
+    std::vector<TokenRange> ranges;
+    int64_t n;
+    const char* needle;
+  };
+  const Case cases[] = {
+      {{}, 10, "at least one"},
+      {{{0, 50, 0, PageFormat::kInt4}, {40, 100, 0, PageFormat::kInt4}}, 100, "ranges[1].begin = 40 overlaps"},
+      {{{0, 50, 0, PageFormat::kInt4}, {60, 100, 0, PageFormat::kInt4}}, 100, "leaves tokens [50, 60)"},
+      {{{0, 120, 0, PageFormat::kInt4}}, 100, "ranges[0].end = 120 is past"},
+      {{{0, 50, 0, PageFormat::kInt4}}, 100, "ends at 50"},
+      {{{0, 0, 0, PageFormat::kInt4}}, 100, "ranges[0].end = 0 is not after"},
+      {{{0, 100, 0, static_cast<PageFormat>(7)}}, 100, "ranges[0].format = 7"},
+  };
+  for (const Case& c : cases) {
+    const Error e = ValidateRanges(c.n, c.ranges);
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(e.message().find(c.needle), std::string::npos) << e.message();
+  }
+}
+
+TEST(ValidateShape, HeadDimLimits) {
+  LayerShape s{100, 96, 3, 32};
+  EXPECT_TRUE(ValidateShape(s, false).ok());
+  EXPECT_EQ(ValidateShape(s, true).code(), ErrorCode::kUnsupported);
+  s.head_dim = 48;
+  EXPECT_NE(ValidateShape(s, false).message().find("head_dim = 48"), std::string::npos);
+  s.head_dim = 128;
+  s.n_tokens = 0;
+  EXPECT_NE(ValidateShape(s, false).message().find("n_tokens"), std::string::npos);
+}
+
+TEST(ValidateRope, ChecksAxes) {
+  RopeOptions r;
+  r.layout = RopeLayout::kInterleaved;
+  r.n_axes = 3;
+  r.axis_dims[0] = 16;
+  r.axis_dims[1] = 56;
+  r.axis_dims[2] = 56;
+  EXPECT_TRUE(ValidateRope(r, 128).ok());
+  r.axis_dims[2] = 58;
+  EXPECT_NE(ValidateRope(r, 128).message().find("sum to 130"), std::string::npos);
+  r.axis_dims[2] = 55;
+  EXPECT_NE(ValidateRope(r, 128).message().find("axis_dims[2]"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvpack
