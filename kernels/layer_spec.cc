@@ -1,5 +1,6 @@
 #include "kernels/layer_spec.h"
 
+#include <cstring>
 #include <string>
 
 #include "kernels/rotation.h"
@@ -123,6 +124,72 @@ Error ValidateQkNorm(const QkNormOptions& norm, const LayerShape& shape) {
   }
   if (!(norm.eps > 0.0f)) return InvalidArgument("qk_norm.eps must be positive");
   return Error::Ok();
+}
+
+namespace {
+
+uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+}  // namespace
+
+KvLayout PlanKvLayout(const LayerShape& shape, const std::vector<TokenRange>& ranges) {
+  constexpr uint64_t kPageAlign = 128;
+  constexpr uint64_t kTableAlign = 256;
+  KvLayout layout;
+  layout.pages = BuildPageLayout(ranges);
+  const uint64_t n_pages = layout.pages.size();
+  const uint64_t heads = static_cast<uint64_t>(shape.n_heads);
+  layout.k_offsets.resize(heads * n_pages);
+  layout.v_offsets.resize(heads * n_pages);
+  uint64_t offset = 0;
+  for (std::vector<uint64_t>* offsets : {&layout.k_offsets, &layout.v_offsets}) {
+    for (uint64_t h = 0; h < heads; ++h) {
+      for (uint64_t p = 0; p < n_pages; ++p) {
+        (*offsets)[h * n_pages + p] = offset;
+        offset = AlignUp(offset + PageBytes(static_cast<PageFormat>(layout.pages[p].format), shape.head_dim),
+                         kPageAlign);
+      }
+    }
+  }
+  layout.page_bytes = offset;
+  const uint64_t stats_bytes = heads * shape.head_dim * sizeof(float);
+  layout.pages_offset = AlignUp(offset, kTableAlign);
+  layout.k_offsets_offset = AlignUp(layout.pages_offset + n_pages * sizeof(PageDesc), kTableAlign);
+  layout.v_offsets_offset = AlignUp(layout.k_offsets_offset + heads * n_pages * sizeof(uint64_t), kTableAlign);
+  layout.mu_k_offset = AlignUp(layout.v_offsets_offset + heads * n_pages * sizeof(uint64_t), kTableAlign);
+  layout.mu_v_offset = AlignUp(layout.mu_k_offset + stats_bytes, kTableAlign);
+  layout.lambda_offset = AlignUp(layout.mu_v_offset + stats_bytes, kTableAlign);
+  layout.total_bytes = AlignUp(layout.lambda_offset + stats_bytes, kTableAlign);
+  return layout;
+}
+
+void WriteKvTables(const KvLayout& layout, uint8_t* tables) {
+  const uint64_t base = layout.pages_offset;
+  memset(tables, 0, layout.mu_k_offset - base);
+  memcpy(tables, layout.pages.data(), layout.pages.size() * sizeof(PageDesc));
+  memcpy(tables + (layout.k_offsets_offset - base), layout.k_offsets.data(),
+         layout.k_offsets.size() * sizeof(uint64_t));
+  memcpy(tables + (layout.v_offsets_offset - base), layout.v_offsets.data(),
+         layout.v_offsets.size() * sizeof(uint64_t));
+}
+
+KvEntryView MakeKvView(const KvLayout& layout, const LayerShape& shape, const uint8_t* block,
+                       const TransformOptions& transforms) {
+  KvEntryView view;
+  view.n_heads = shape.n_heads;
+  view.head_dim = shape.head_dim;
+  view.n_tokens = shape.n_tokens;
+  view.n_pages = static_cast<int>(layout.pages.size());
+  view.pages = reinterpret_cast<const PageDesc*>(block + layout.pages_offset);
+  view.pool = block;
+  view.k_offsets = reinterpret_cast<const uint64_t*>(block + layout.k_offsets_offset);
+  view.v_offsets = reinterpret_cast<const uint64_t*>(block + layout.v_offsets_offset);
+  view.mu_k = reinterpret_cast<const float*>(block + layout.mu_k_offset);
+  view.mu_v = reinterpret_cast<const float*>(block + layout.mu_v_offset);
+  view.lambda = reinterpret_cast<const float*>(block + layout.lambda_offset);
+  view.seed = transforms.seed;
+  view.rotate = transforms.rotate;
+  return view;
 }
 
 }  // namespace kvpack

@@ -118,6 +118,53 @@ struct KvEntryView {
   bool rotate = true;
 };
 
+// ── One layer, and the memory its backend needs ────────────────────────────────────────────────
+
+// Everything about one layer except its tensors. Backends answer the three questions of STYLE.md
+// about it: Supported(config), KvBytes/WorkspaceBytes(config), RunLayer(config, tensors, memory).
+struct LayerConfig {
+  LayerShape shape;
+  std::vector<TokenRange> ranges;        // tile [0, N); one format each
+  RopeOptions rope;
+  QkNormOptions qk_norm;
+  TransformOptions transforms;
+  AttentionOptions attention;
+  bool has_bias = false;
+  int64_t projection_chunk = 4096;       // Tp: tokens per streamed K/V projection chunk
+  int64_t query_chunk = 4096;            // Tq: tokens per query chunk (Q projected, attended, written)
+  bool in_place = false;                 // tensors.out == tensors.x (needs hidden == H·d)
+  const KvStats* stats = nullptr;        // caller's μ/λ; null → the strided pre-pass computes them
+};
+
+// Where a packed entry's pieces sit inside its one memory block (KvLayout::total_bytes long): all K
+// pages head-major (head 0 pages 0..P−1, head 1, …), then all V pages likewise, then the tables the
+// kernels read (PageDesc[P], k_offsets[H·P], v_offsets[H·P], μ_k, μ_v, λ as float[H·d] each).
+// Pages sit at 128-byte aligned offsets; tables at 256-byte aligned offsets.
+struct KvLayout {
+  std::vector<PageDesc> pages;
+  std::vector<uint64_t> k_offsets;  // [H·P] byte offsets from the block start
+  std::vector<uint64_t> v_offsets;  // [H·P]
+  uint64_t page_bytes = 0;          // bytes of all K and V pages
+  uint64_t pages_offset = 0;
+  uint64_t k_offsets_offset = 0;
+  uint64_t v_offsets_offset = 0;
+  uint64_t mu_k_offset = 0;
+  uint64_t mu_v_offset = 0;
+  uint64_t lambda_offset = 0;
+  uint64_t total_bytes = 0;
+};
+
+// REQUIRES: ValidateShape and ValidateRanges passed.
+KvLayout PlanKvLayout(const LayerShape& shape, const std::vector<TokenRange>& ranges);
+
+// Copies the page table and offsets (not the stats) into a host image of the block's table part:
+// `tables` points at block offset layout.pages_offset and spans up to layout.mu_k_offset.
+void WriteKvTables(const KvLayout& layout, uint8_t* tables);
+
+// A view of a block laid out by `layout` at `block` (host or device address).
+KvEntryView MakeKvView(const KvLayout& layout, const LayerShape& shape, const uint8_t* block,
+                       const TransformOptions& transforms);
+
 // ── Shared host-side helpers (layer_spec.cc) ────────────────────────────────────────────────────
 
 // Pages of the token layout: each range split into ceil(len/64) pages, the last one partial.

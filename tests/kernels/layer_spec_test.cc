@@ -71,3 +71,28 @@ TEST(ValidateRope, ChecksAxes) {
 
 }  // namespace
 }  // namespace kvpack
+
+namespace kvpack {
+namespace {
+
+TEST(KvLayout, PagesThenTablesAligned) {
+  const LayerShape shape{300, 256, 2, 128};
+  const KvLayout layout = PlanKvLayout(shape, TwoRanges());
+  const uint64_t per_head = 2 * PageBytes(PageFormat::kBf16, 128) + 4 * PageBytes(PageFormat::kInt4, 128);
+  EXPECT_EQ(layout.page_bytes, 2 * 2 * per_head);  // K and V, two heads
+  EXPECT_EQ(layout.k_offsets[6], per_head);        // head 1, page 0
+  EXPECT_EQ(layout.v_offsets[0], 2 * per_head);
+  for (uint64_t o : layout.k_offsets) EXPECT_EQ(o % 128, 0u);
+  EXPECT_EQ(layout.pages_offset % 256, 0u);
+  EXPECT_GE(layout.total_bytes, layout.lambda_offset + 2 * 128 * sizeof(float));
+
+  std::vector<uint8_t> block(layout.total_bytes, 0xab);
+  WriteKvTables(layout, block.data() + layout.pages_offset);
+  const KvEntryView view = MakeKvView(layout, shape, block.data(), TransformOptions{});
+  EXPECT_EQ(view.n_pages, 6);
+  EXPECT_EQ(view.pages[2].token_begin, 77);
+  EXPECT_EQ(view.v_offsets[7], layout.v_offsets[7]);
+}
+
+}  // namespace
+}  // namespace kvpack
