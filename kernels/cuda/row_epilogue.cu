@@ -1,0 +1,254 @@
+#include "kernels/cuda/row_epilogue.h"
+
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/warp_row.cuh"
+
+namespace kvpack::cuda {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+
+// RoPE on one row (format.h order: after QK-norm, before smoothing). `buf` is this warp's d floats
+// of shared memory, used to read each channel's partner.
+template <int kPerLane>
+__device__ void ApplyRope(float (&x)[kPerLane], float* buf, int lane, const RowEpilogueParams& p, int64_t token) {
+  int rotary = 0;
+  for (int a = 0; a < p.rope_axes; ++a) rotary += p.rope_axis_dims[a];
+  const int half = rotary / 2;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) buf[lane * kPerLane + i] = x[i];
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int c = lane * kPerLane + i;
+    if (c >= rotary) continue;
+    int pair, partner;
+    bool first;
+    if (p.rope_layout == RopeLayout::kInterleaved) {
+      pair = c >> 1, first = (c & 1) == 0, partner = c ^ 1;
+    } else {
+      first = c < half;
+      pair = first ? c : c - half;
+      partner = first ? c + half : c - half;
+    }
+    int axis = 0, start = 0;
+    while (axis < p.rope_axes - 1 && pair >= start + p.rope_axis_dims[axis] / 2) {
+      start += p.rope_axis_dims[axis] / 2;
+      ++axis;
+    }
+    const float inv_freq = powf(p.rope_theta, -2.0f * static_cast<float>(pair - start) /
+                                                  static_cast<float>(p.rope_axis_dims[axis]));
+    const float angle = p.positions[token * p.rope_axes + axis] * inv_freq;
+    float s, co;
+    sincosf(angle, &s, &co);
+    const float other = buf[partner];
+    // (a, b) → (a·cos − b·sin, a·sin + b·cos), a the first channel of the pair.
+    x[i] = first ? x[i] * co - other * s : other * s + x[i] * co;
+  }
+  __syncwarp();
+}
+
+// Quantizes one rotated row into `slot` of `page` (format.h encoders, lane-parallel).
+template <int kPerLane>
+__device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat format, int slot, uint8_t* page) {
+  constexpr int kDim = 32 * kPerLane;
+  uint8_t* codes = page + slot * CodeBytesPerRow(format, kDim);
+  uint8_t* meta = page + MetaOffset(format, kDim) + slot * MetaBytesPerRow(format);
+  if (format == PageFormat::kInt4) {
+    float mn = x[0], mx = x[0];
+#pragma unroll
+    for (int i = 1; i < kPerLane; ++i) mn = fminf(mn, x[i]), mx = fmaxf(mx, x[i]);
+    mn = WarpMin(mn), mx = WarpMax(mx);
+    const uint16_t scale_bits = FloatToHalf(ClampToHalfRange((mx - mn) / 15.0f));
+    const uint16_t lo_bits = FloatToHalf(ClampToHalfRange(mn));
+    const float scale = HalfToFloat(scale_bits), lo = HalfToFloat(lo_bits);
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const float c = fminf(fmaxf(rintf((x[i] - lo) * inv), 0.0f), 15.0f);
+      packed |= static_cast<uint32_t>(c) << (4 * i);  // channel 2j low nibble, 2j+1 high nibble
+    }
+    if constexpr (kPerLane == 4) {
+      *reinterpret_cast<uint16_t*>(codes + 2 * lane) = static_cast<uint16_t>(packed);
+    } else {
+      codes[lane] = static_cast<uint8_t>(packed);
+    }
+    if (lane == 0) *reinterpret_cast<uint32_t*>(meta) = scale_bits | (static_cast<uint32_t>(lo_bits) << 16);
+  } else if (format == PageFormat::kInt8) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    amax = WarpMax(amax);
+    const uint16_t scale_bits = FloatToHalf(ClampToHalfRange(amax / 127.0f));
+    const float scale = HalfToFloat(scale_bits);
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const float c = fminf(fmaxf(rintf(x[i] * inv), -127.0f), 127.0f);
+      packed |= (static_cast<uint32_t>(static_cast<int32_t>(c)) & 0xffu) << (8 * i);
+    }
+    if constexpr (kPerLane == 4) {
+      *reinterpret_cast<uint32_t*>(codes + 4 * lane) = packed;
+    } else {
+      *reinterpret_cast<uint16_t*>(codes + 2 * lane) = static_cast<uint16_t>(packed);
+    }
+    if (lane == 0) *reinterpret_cast<uint16_t*>(meta) = scale_bits;
+  } else {
+    StoreBf16(reinterpret_cast<uint16_t*>(codes) + kPerLane * lane, x);
+  }
+}
+
+// One warp per (row, block, head): block 0/1 = K/V (kPackKv, kStats) or 0 = Q (kQuery).
+template <int kDim, RowMode kMode>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const RowEpilogueParams p) {
+  constexpr int kPerLane = kDim / 32;
+  constexpr int kBlocks = kMode == RowMode::kQuery ? 1 : 2;
+  __shared__ float rope_buf[kWarpsPerBlock][kDim];
+
+  // ── Which row ─────────────────────────────────────────────────────────────────────────────────
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t work = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+  const int64_t per_row = static_cast<int64_t>(kBlocks) * p.n_heads;
+  if (work >= p.n_rows * per_row) return;  // warp-uniform
+  const int64_t row = work / per_row;
+  const int which = static_cast<int>(work % per_row) / p.n_heads;  // 0 K, 1 V (or 0 Q)
+  const int head = static_cast<int>(work % p.n_heads);
+  const int kind = kMode == RowMode::kQuery ? 0 : 1 + which;       // 0 q, 1 k, 2 v: W / bias block
+  const int64_t head_cols = static_cast<int64_t>(p.n_heads) * kDim;
+  const int64_t token = p.token_index ? p.token_index[row] : p.token_begin + row;
+  const int chan = lane * kPerLane;   // first channel of this lane
+  const int hc = head * kDim + chan;  // column inside one of the q / k / v blocks
+
+  // ── Load, bias, QK-norm, RoPE ─────────────────────────────────────────────────────────────────
+  float x[kPerLane];
+  LoadBf16(p.in + row * p.in_stride + which * head_cols + hc, x);
+  if (p.bias) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) x[i] += p.bias[kind * head_cols + hc + i];
+  }
+  const float* norm_w = kind == 0 ? p.q_norm_weight : (kind == 1 ? p.k_norm_weight : nullptr);
+  if (p.norm && norm_w) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) ss += x[i] * x[i];
+    const float r = rsqrtf(WarpSum(ss) / static_cast<float>(kDim) + p.norm_eps);
+    const int w0 = p.norm_weight_len == kDim ? chan : hc;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) x[i] = x[i] * r * norm_w[w0 + i];
+  }
+  if (kind != 2 && p.rope_layout != RopeLayout::kNone) ApplyRope(x, rope_buf[warp], lane, p, token);
+
+  // ── Mode-specific tail ────────────────────────────────────────────────────────────────────────
+  if constexpr (kMode == RowMode::kStats) {
+    float* out = p.out_float + row * 2 * head_cols + which * head_cols + hc;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) out[i] = x[i];
+  } else if constexpr (kMode == RowMode::kQuery) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) x[i] *= p.lambda[hc + i];
+    if (p.rotate) WarpRotateForward(x, lane, p.seed);
+    StoreBf16(p.out_bf16 + row * p.out_stride + hc, x);
+  } else {
+    if (which == 0) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) x[i] = (x[i] - p.mu_k[hc + i]) / p.lambda[hc + i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) x[i] -= p.mu_v[hc + i];
+    }
+    if (p.rotate) WarpRotateForward(x, lane, p.seed);
+    const int page_index = FindPage(p.pages, p.n_pages, token);
+    const PageDesc page = p.pages[page_index];
+    const uint64_t offset = (which == 0 ? p.k_offsets : p.v_offsets)[static_cast<int64_t>(head) * p.n_pages + page_index];
+    StorePageRow(x, lane, static_cast<PageFormat>(page.format), static_cast<int>(token - page.token_begin),
+                 p.kv_block + offset);
+  }
+}
+
+template <int kDim>
+Error LaunchForDim(RowMode mode, const RowEpilogueParams& p, cudaStream_t stream) {
+  const int64_t blocks_per_row = mode == RowMode::kQuery ? 1 : 2;
+  const int64_t warps = p.n_rows * blocks_per_row * p.n_heads;
+  const dim3 grid(static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  const dim3 block(32 * kWarpsPerBlock);
+  switch (mode) {
+    case RowMode::kPackKv: RowEpilogueKernel<kDim, RowMode::kPackKv><<<grid, block, 0, stream>>>(p); break;
+    case RowMode::kStats: RowEpilogueKernel<kDim, RowMode::kStats><<<grid, block, 0, stream>>>(p); break;
+    case RowMode::kQuery: RowEpilogueKernel<kDim, RowMode::kQuery><<<grid, block, 0, stream>>>(p); break;
+  }
+  KVPACK_CUDA_RETURN_LAUNCH("row epilogue kernel");
+  return Error::Ok();
+}
+
+__global__ void GatherRowsKernel(const uint16_t* x, int64_t hidden, const int64_t* token_index, uint16_t* out) {
+  const int64_t row = blockIdx.x;
+  const uint4* src = reinterpret_cast<const uint4*>(x + token_index[row] * hidden);
+  uint4* dst = reinterpret_cast<uint4*>(out + row * hidden);
+  for (int64_t i = threadIdx.x; i < hidden / 8; i += blockDim.x) dst[i] = src[i];
+}
+
+// One block per head, one thread per channel.
+template <int kDim>
+__global__ void __launch_bounds__(kDim) KvStatsKernel(const float* kv, int64_t n_sample, int n_heads, bool smooth,
+                                                      bool balance, float* mu_k, float* mu_v, float* lambda) {
+  __shared__ float log_lambda[kDim];
+  const int c = threadIdx.x, head = blockIdx.x;
+  const int64_t head_cols = static_cast<int64_t>(n_heads) * kDim;
+  const int64_t stride = 2 * head_cols;
+  const int64_t kc = static_cast<int64_t>(head) * kDim + c;
+  double sum_k = 0.0, sum_v = 0.0;
+  for (int64_t r = 0; r < n_sample; ++r) {
+    sum_k += kv[r * stride + kc];
+    sum_v += kv[r * stride + head_cols + kc];
+  }
+  const float mk = smooth ? static_cast<float>(sum_k / static_cast<double>(n_sample)) : 0.0f;
+  const float mv = smooth ? static_cast<float>(sum_v / static_cast<double>(n_sample)) : 0.0f;
+  float amax = 0.0f;
+  for (int64_t r = 0; r < n_sample; ++r) amax = fmaxf(amax, fabsf(kv[r * stride + kc] - mk));
+  const float lam = fmaxf(sqrtf(amax), kMinLambda);
+  log_lambda[c] = logf(lam);
+  __syncthreads();
+  if (c == 0) {
+    float s = 0.0f;
+    for (int i = 0; i < kDim; ++i) s += log_lambda[i];
+    log_lambda[0] = s / static_cast<float>(kDim);
+  }
+  __syncthreads();
+  mu_k[kc] = mk;
+  mu_v[kc] = mv;
+  lambda[kc] = balance ? lam / expf(log_lambda[0]) : 1.0f;
+}
+
+}  // namespace
+
+Error LaunchRowEpilogue(RowMode mode, const RowEpilogueParams& params, cudaStream_t stream) {
+  if (params.n_rows == 0) return Error::Ok();
+  if (params.head_dim == 128) return LaunchForDim<128>(mode, params, stream);
+  if (params.head_dim == 64) return LaunchForDim<64>(mode, params, stream);
+  return Unsupported("row epilogue: head_dim " + std::to_string(params.head_dim));
+}
+
+Error LaunchGatherRows(const uint16_t* x, int64_t hidden, const int64_t* token_index, int64_t n, uint16_t* out,
+                       cudaStream_t stream) {
+  if (n == 0) return Error::Ok();
+  GatherRowsKernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(x, hidden, token_index, out);
+  KVPACK_CUDA_RETURN_LAUNCH("gather kernel");
+  return Error::Ok();
+}
+
+Error LaunchKvStats(const float* kv, int64_t n_sample, int n_heads, int head_dim, bool smooth, bool balance,
+                    float* mu_k, float* mu_v, float* lambda, cudaStream_t stream) {
+  if (head_dim == 128) {
+    KvStatsKernel<128><<<n_heads, 128, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, mu_k, mu_v, lambda);
+  } else if (head_dim == 64) {
+    KvStatsKernel<64><<<n_heads, 64, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, mu_k, mu_v, lambda);
+  } else {
+    return Unsupported("stats: head_dim " + std::to_string(head_dim));
+  }
+  KVPACK_CUDA_RETURN_LAUNCH("stats kernel");
+  return Error::Ok();
+}
+
+}  // namespace kvpack::cuda
