@@ -23,7 +23,7 @@ struct AttentionTraits {
   static constexpr int kPitch = kDim + 8;                  // bf16 per smem row: +16 B keeps ldmatrix conflict-free
   static constexpr int kQBytes = kTileQueries * kPitch * 2;
   static constexpr int kTileBytes = kPageTokens * kPitch * 2;  // one decoded K or V page
-  static constexpr int kRawOffset = kQBytes + 2 * kTileBytes;
+  static constexpr int kRawOffset = kQBytes + 4 * kTileBytes;  // Q, then K0 V0 K1 V1 (two decoded pages)
   static constexpr int kStagePitch = kDim + 4;             // floats per row of the epilogue staging
   static_assert(kTileQueries * kStagePitch * 4 <= kRawOffset, "epilogue staging fits in the Q/K/V tiles");
   static_assert(kRawOffset % 128 == 0, "raw stages stay 128-byte aligned");
@@ -57,6 +57,7 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void CpAsyncWaitOne() { asm volatile("cp.async.wait_group 1;\n" ::); }
+__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -121,8 +122,8 @@ __global__ void __launch_bounds__(AttentionTraits<kDim>::kThreads, 1) AttentionK
   constexpr int kONTiles = kDim / 8;   // n-tiles of O
   extern __shared__ __align__(128) uint8_t smem[];
   uint16_t* q_tile = reinterpret_cast<uint16_t*>(smem);                       // [128][kPitch] bf16
-  uint16_t* k_tile = reinterpret_cast<uint16_t*>(smem + T::kQBytes);          // [64][kPitch] bf16
-  uint16_t* v_tile = reinterpret_cast<uint16_t*>(smem + T::kQBytes + T::kTileBytes);
+  uint16_t* tiles = reinterpret_cast<uint16_t*>(smem + T::kQBytes);  // [2 pages][K | V][64][kPitch] bf16
+  constexpr int kTileElems = T::kTileBytes / 2;
   uint8_t* raw = smem + T::kRawOffset;                                         // [2 stages][K | V]
   __shared__ int q_seq[kTileQueries];        // sequence id of each query row
   __shared__ int ent_seq[kTileQueries];      // runs of equal sequence id among the rows …
@@ -215,22 +216,36 @@ __global__ void __launch_bounds__(AttentionTraits<kDim>::kThreads, 1) AttentionK
     __syncthreads();
     if (n_visible == 0) continue;
 
+    // Pipeline, one barrier per page: in iteration i the raw bytes of page i+2 are in flight, page i+1
+    // is decoded into the other tile pair, and page i is multiplied; warps drift apart inside an
+    // iteration, so one warp's decode overlaps another's MMAs.
+    const int stage_bytes = 2 * p.max_page_bytes;
     LoadPageAsync<kDim>(p, head, w0 + visible[0], raw);
     CpAsyncCommit();
+    if (n_visible > 1) LoadPageAsync<kDim>(p, head, w0 + visible[1], raw + stage_bytes);
+    CpAsyncCommit();
+    CpAsyncWaitOne();
+    __syncthreads();
+    {
+      const PageDesc page = p.kv.pages[w0 + visible[0]];
+      DecodePage<kDim>(raw, static_cast<PageFormat>(page.format), page.n_valid, tiles);
+      DecodePage<kDim>(raw + p.max_page_bytes, static_cast<PageFormat>(page.format), page.n_valid, tiles + kTileElems);
+    }
     for (int i = 0; i < n_visible; ++i) {
-      const int page_index = w0 + visible[i];
-      if (i + 1 < n_visible) {
-        LoadPageAsync<kDim>(p, head, w0 + visible[i + 1], raw + ((i + 1) & 1) * 2 * p.max_page_bytes);
-      }
+      CpAsyncWaitAll();  // page i+1's bytes
+      __syncthreads();   // page i decoded; tile pair (i+1)&1 and raw stage i&1 are free
+      if (i + 2 < n_visible) LoadPageAsync<kDim>(p, head, w0 + visible[i + 2], raw + (i & 1) * stage_bytes);
       CpAsyncCommit();
-      CpAsyncWaitOne();
-      __syncthreads();
-      const PageDesc page = p.kv.pages[page_index];
-      const PageFormat format = static_cast<PageFormat>(page.format);
-      const uint8_t* stage = raw + (i & 1) * 2 * p.max_page_bytes;
-      DecodePage<kDim>(stage, format, page.n_valid, k_tile);
-      DecodePage<kDim>(stage + p.max_page_bytes, format, page.n_valid, v_tile);
-      __syncthreads();
+      if (i + 1 < n_visible) {
+        const PageDesc next = p.kv.pages[w0 + visible[i + 1]];
+        const uint8_t* stage = raw + ((i + 1) & 1) * stage_bytes;
+        uint16_t* dst = tiles + ((i + 1) & 1) * 2 * kTileElems;
+        DecodePage<kDim>(stage, static_cast<PageFormat>(next.format), next.n_valid, dst);
+        DecodePage<kDim>(stage + p.max_page_bytes, static_cast<PageFormat>(next.format), next.n_valid, dst + kTileElems);
+      }
+      const PageDesc page = p.kv.pages[w0 + visible[i]];
+      const uint16_t* k_tile = tiles + (i & 1) * 2 * kTileElems;
+      const uint16_t* v_tile = k_tile + kTileElems;
 
       // S[16 × 64] = Q[16 × d] · Kᵀ[d × 64] for this warp's rows.
       float s[8][4];
@@ -303,8 +318,8 @@ __global__ void __launch_bounds__(AttentionTraits<kDim>::kThreads, 1) AttentionK
           Mma(o[n + 1], a, b[2], b[3]);
         }
       }
-      __syncthreads();  // tiles and this raw stage are free for the next page
     }
+    __syncthreads();  // every warp is done with the tiles before the next window or the epilogue
   }
 
   // ── Epilogue: normalise, stage rows in shared memory, Rᵀ and +μ_v per row, bf16 out ──────────
@@ -325,13 +340,15 @@ __global__ void __launch_bounds__(AttentionTraits<kDim>::kThreads, 1) AttentionK
   __syncwarp();
   constexpr int kPerLane = kDim / 32;
   const float* mu_v = p.kv.mu_v + head * kDim + lane * kPerLane;
+  float sign[kPerLane];
+  LaneSigns(sign, lane, p.kv.seed);
   for (int rr = 0; rr < 16; ++rr) {
     const int row = warp * 16 + rr;
     if (row >= n_rows) break;  // warp-uniform
     float x[kPerLane];
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) x[i] = stage[rr * T::kStagePitch + lane * kPerLane + i];
-    if (p.kv.rotate) WarpRotateInverse(x, lane, p.kv.seed);
+    if (p.kv.rotate) WarpRotateInverse(x, lane, sign);
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) x[i] += mu_v[i];
     StoreBf16(p.out + (q0 + row) * p.out_stride + head * kDim + lane * kPerLane, x);

@@ -100,78 +100,96 @@ __device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat fo
   }
 }
 
-// One warp per (row, block, head): block 0/1 = K/V (kPackKv, kStats) or 0 = Q (kQuery).
+// kWarpsPerToken warps share one token: warp `sub` of the group takes rows j = sub, sub + 4, … of
+// the token's kBlocks·H rows (j = block·H + head; block 0/1 = K/V, or 0 = Q). A warp finds the
+// token's page and its rotation signs once, and loads row j + 4 while it transforms row j, so each
+// warp keeps a load in flight instead of waiting on one 256-byte row at a time.
+constexpr int kWarpsPerToken = 4;
+constexpr int kTokensPerBlock = kWarpsPerBlock / kWarpsPerToken;
+
 template <int kDim, RowMode kMode>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const RowEpilogueParams p) {
   constexpr int kPerLane = kDim / 32;
   constexpr int kBlocks = kMode == RowMode::kQuery ? 1 : 2;
   __shared__ float rope_buf[kWarpsPerBlock][kDim];
 
-  // ── Which row ─────────────────────────────────────────────────────────────────────────────────
+  // ── Which token, which rows ───────────────────────────────────────────────────────────────────
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t work = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
-  const int64_t per_row = static_cast<int64_t>(kBlocks) * p.n_heads;
-  if (work >= p.n_rows * per_row) return;  // warp-uniform
-  const int64_t row = work / per_row;
-  const int which = static_cast<int>(work % per_row) / p.n_heads;  // 0 K, 1 V (or 0 Q)
-  const int head = static_cast<int>(work % p.n_heads);
-  const int kind = kMode == RowMode::kQuery ? 0 : 1 + which;       // 0 q, 1 k, 2 v: W / bias block
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kTokensPerBlock + warp / kWarpsPerToken;
+  const int sub = warp % kWarpsPerToken;
+  if (row >= p.n_rows) return;  // warp-uniform
+  const int n_rows_of_token = kBlocks * p.n_heads;
   const int64_t head_cols = static_cast<int64_t>(p.n_heads) * kDim;
   const int64_t token = p.token_index ? p.token_index[row] : p.token_begin + row;
-  const int chan = lane * kPerLane;   // first channel of this lane
-  const int hc = head * kDim + chan;  // column inside one of the q / k / v blocks
-
-  // ── Load, bias, QK-norm, RoPE ─────────────────────────────────────────────────────────────────
-  float x[kPerLane];
-  LoadBf16(p.in + row * p.in_stride + which * head_cols + hc, x);
-  if (p.bias) {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) x[i] += p.bias[kind * head_cols + hc + i];
-  }
-  const float* norm_w = kind == 0 ? p.q_norm_weight : (kind == 1 ? p.k_norm_weight : nullptr);
-  if (p.norm && norm_w) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) ss += x[i] * x[i];
-    const float r = rsqrtf(WarpSum(ss) / static_cast<float>(kDim) + p.norm_eps);
-    const int w0 = p.norm_weight_len == kDim ? chan : hc;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) x[i] = x[i] * r * norm_w[w0 + i];
-  }
-  if (kind != 2 && p.rope_layout != RopeLayout::kNone) ApplyRope(x, rope_buf[warp], lane, p, token);
-
-  // ── Mode-specific tail ────────────────────────────────────────────────────────────────────────
-  if constexpr (kMode == RowMode::kStats) {
-    float* out = p.out_float + row * 2 * head_cols + which * head_cols + hc;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) out[i] = x[i];
-  } else if constexpr (kMode == RowMode::kQuery) {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) x[i] *= p.lambda[hc + i];
-    if (p.rotate) WarpRotateForward(x, lane, p.seed);
-    StoreBf16(p.out_bf16 + row * p.out_stride + hc, x);
-  } else {
-    if (which == 0) {
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) x[i] = (x[i] - p.mu_k[hc + i]) / p.lambda[hc + i];
-    } else {
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) x[i] -= p.mu_v[hc + i];
-    }
-    if (p.rotate) WarpRotateForward(x, lane, p.seed);
-    const int page_index = FindPage(p.pages, p.n_pages, token);
+  const int chan = lane * kPerLane;  // first channel of this lane
+  const uint16_t* in_row = p.in + row * p.in_stride + chan;
+  float sign[kPerLane];
+  LaneSigns(sign, lane, p.seed);
+  int page_index = 0, slot = 0;
+  PageFormat format = PageFormat::kInt4;
+  if constexpr (kMode == RowMode::kPackKv) {
+    page_index = FindPage(p.pages, p.n_pages, token);
     const PageDesc page = p.pages[page_index];
-    const uint64_t offset = (which == 0 ? p.k_offsets : p.v_offsets)[static_cast<int64_t>(head) * p.n_pages + page_index];
-    StorePageRow(x, lane, static_cast<PageFormat>(page.format), static_cast<int>(token - page.token_begin),
-                 p.kv_block + offset);
+    format = static_cast<PageFormat>(page.format);
+    slot = static_cast<int>(token - page.token_begin);
+  }
+
+  float next[kPerLane];
+  if (sub < n_rows_of_token) LoadBf16(in_row + sub * kDim, next);
+  for (int j = sub; j < n_rows_of_token; j += kWarpsPerToken) {
+    float x[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) x[i] = next[i];
+    if (j + kWarpsPerToken < n_rows_of_token) LoadBf16(in_row + (j + kWarpsPerToken) * kDim, next);
+    const int which = j / p.n_heads, head = j % p.n_heads;  // columns j·d … of the input row
+    const int kind = kMode == RowMode::kQuery ? 0 : 1 + which;  // 0 q, 1 k, 2 v: W / bias block
+    const int hc = head * kDim + chan;                          // column inside one q / k / v block
+
+    // ── Bias, QK-norm, RoPE ─────────────────────────────────────────────────────────────────────
+    if (p.bias) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) x[i] += p.bias[kind * head_cols + hc + i];
+    }
+    const float* norm_w = kind == 0 ? p.q_norm_weight : (kind == 1 ? p.k_norm_weight : nullptr);
+    if (p.norm && norm_w) {
+      float ss = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) ss += x[i] * x[i];
+      const float r = rsqrtf(WarpSum(ss) / static_cast<float>(kDim) + p.norm_eps);
+      const int w0 = p.norm_weight_len == kDim ? chan : hc;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) x[i] = x[i] * r * norm_w[w0 + i];
+    }
+    if (kind != 2 && p.rope_layout != RopeLayout::kNone) ApplyRope(x, rope_buf[warp], lane, p, token);
+
+    // ── Mode-specific tail ──────────────────────────────────────────────────────────────────────
+    if constexpr (kMode == RowMode::kStats) {
+      float* out = p.out_float + row * 2 * head_cols + which * head_cols + hc;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) out[i] = x[i];
+    } else if constexpr (kMode == RowMode::kQuery) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) x[i] *= p.lambda[hc + i];
+      if (p.rotate) WarpRotateForward(x, lane, sign);
+      StoreBf16(p.out_bf16 + row * p.out_stride + hc, x);
+    } else {
+      if (which == 0) {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) x[i] = (x[i] - p.mu_k[hc + i]) / p.lambda[hc + i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) x[i] -= p.mu_v[hc + i];
+      }
+      if (p.rotate) WarpRotateForward(x, lane, sign);
+      const uint64_t offset = (which == 0 ? p.k_offsets : p.v_offsets)[static_cast<int64_t>(head) * p.n_pages + page_index];
+      StorePageRow(x, lane, format, slot, p.kv_block + offset);
+    }
   }
 }
 
 template <int kDim>
 Error LaunchForDim(RowMode mode, const RowEpilogueParams& p, cudaStream_t stream) {
-  const int64_t blocks_per_row = mode == RowMode::kQuery ? 1 : 2;
-  const int64_t warps = p.n_rows * blocks_per_row * p.n_heads;
-  const dim3 grid(static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  const dim3 grid(static_cast<unsigned>((p.n_rows + kTokensPerBlock - 1) / kTokensPerBlock));
   const dim3 block(32 * kWarpsPerBlock);
   switch (mode) {
     case RowMode::kPackKv: RowEpilogueKernel<kDim, RowMode::kPackKv><<<grid, block, 0, stream>>>(p); break;
@@ -189,36 +207,47 @@ __global__ void GatherRowsKernel(const uint16_t* x, int64_t hidden, const int64_
   for (int64_t i = threadIdx.x; i < hidden / 8; i += blockDim.x) dst[i] = src[i];
 }
 
-// One block per head, one thread per channel.
+// One block per head: kGroups sample groups × d channels; group partials are combined in a fixed
+// order, so the result is deterministic.
+constexpr int kStatsGroups = 8;
+
 template <int kDim>
-__global__ void __launch_bounds__(kDim) KvStatsKernel(const float* kv, int64_t n_sample, int n_heads, bool smooth,
-                                                      bool balance, float* mu_k, float* mu_v, float* lambda) {
+__global__ void __launch_bounds__(kDim * kStatsGroups) KvStatsKernel(const float* kv, int64_t n_sample, int n_heads,
+                                                                     bool smooth, bool balance, float* mu_k,
+                                                                     float* mu_v, float* lambda) {
+  __shared__ double sums[2][kStatsGroups][kDim];
+  __shared__ float maxes[kStatsGroups][kDim];
   __shared__ float log_lambda[kDim];
-  const int c = threadIdx.x, head = blockIdx.x;
+  const int c = threadIdx.x % kDim, group = threadIdx.x / kDim, head = blockIdx.x;
   const int64_t head_cols = static_cast<int64_t>(n_heads) * kDim;
   const int64_t stride = 2 * head_cols;
   const int64_t kc = static_cast<int64_t>(head) * kDim + c;
   double sum_k = 0.0, sum_v = 0.0;
-  for (int64_t r = 0; r < n_sample; ++r) {
+  for (int64_t r = group; r < n_sample; r += kStatsGroups) {
     sum_k += kv[r * stride + kc];
     sum_v += kv[r * stride + head_cols + kc];
   }
-  const float mk = smooth ? static_cast<float>(sum_k / static_cast<double>(n_sample)) : 0.0f;
-  const float mv = smooth ? static_cast<float>(sum_v / static_cast<double>(n_sample)) : 0.0f;
+  sums[0][group][c] = sum_k, sums[1][group][c] = sum_v;
+  __syncthreads();
+  double total_k = 0.0, total_v = 0.0;
+  for (int g = 0; g < kStatsGroups; ++g) total_k += sums[0][g][c], total_v += sums[1][g][c];
+  const float mk = smooth ? static_cast<float>(total_k / static_cast<double>(n_sample)) : 0.0f;
+  const float mv = smooth ? static_cast<float>(total_v / static_cast<double>(n_sample)) : 0.0f;
   float amax = 0.0f;
-  for (int64_t r = 0; r < n_sample; ++r) amax = fmaxf(amax, fabsf(kv[r * stride + kc] - mk));
+  for (int64_t r = group; r < n_sample; r += kStatsGroups) amax = fmaxf(amax, fabsf(kv[r * stride + kc] - mk));
+  maxes[group][c] = amax;
+  __syncthreads();
+  for (int g = 0; g < kStatsGroups; ++g) amax = fmaxf(amax, maxes[g][c]);
   const float lam = fmaxf(sqrtf(amax), kMinLambda);
-  log_lambda[c] = logf(lam);
+  if (group == 0) log_lambda[c] = logf(lam);
   __syncthreads();
-  if (c == 0) {
-    float s = 0.0f;
-    for (int i = 0; i < kDim; ++i) s += log_lambda[i];
-    log_lambda[0] = s / static_cast<float>(kDim);
-  }
-  __syncthreads();
+  if (group != 0) return;
+  float mean_log = 0.0f;
+  for (int i = 0; i < kDim; ++i) mean_log += log_lambda[i];
+  mean_log /= static_cast<float>(kDim);
   mu_k[kc] = mk;
   mu_v[kc] = mv;
-  lambda[kc] = balance ? lam / expf(log_lambda[0]) : 1.0f;
+  lambda[kc] = balance ? lam / expf(mean_log) : 1.0f;
 }
 
 }  // namespace
@@ -241,9 +270,9 @@ Error LaunchGatherRows(const uint16_t* x, int64_t hidden, const int64_t* token_i
 Error LaunchKvStats(const float* kv, int64_t n_sample, int n_heads, int head_dim, bool smooth, bool balance,
                     float* mu_k, float* mu_v, float* lambda, cudaStream_t stream) {
   if (head_dim == 128) {
-    KvStatsKernel<128><<<n_heads, 128, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, mu_k, mu_v, lambda);
+    KvStatsKernel<128><<<n_heads, 128 * kStatsGroups, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, mu_k, mu_v, lambda);
   } else if (head_dim == 64) {
-    KvStatsKernel<64><<<n_heads, 64, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, mu_k, mu_v, lambda);
+    KvStatsKernel<64><<<n_heads, 64 * kStatsGroups, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, mu_k, mu_v, lambda);
   } else {
     return Unsupported("stats: head_dim " + std::to_string(head_dim));
   }

@@ -82,26 +82,33 @@ __device__ __forceinline__ void WarpWalshHadamard(float (&x)[kPerLane], int lane
   }
 }
 
-// x ← R · x (RotateForward).
+// This lane's rotation signs s_c (rotation.h), computed once per warp and reused for every row.
 template <int kPerLane>
-__device__ __forceinline__ void WarpRotateForward(float (&x)[kPerLane], int lane, uint64_t seed) {
+__device__ __forceinline__ void LaneSigns(float (&sign)[kPerLane], int lane, uint64_t seed) {
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) sign[i] = RotationSign(seed, lane * kPerLane + i);
+}
+
+// x ← R · x (RotateForward), signs from LaneSigns.
+template <int kPerLane>
+__device__ __forceinline__ void WarpRotateForward(float (&x)[kPerLane], int lane, const float (&sign)[kPerLane]) {
   constexpr int kDim = 32 * kPerLane;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) x[i] *= RotationSign(seed, lane * kPerLane + i);
+  for (int i = 0; i < kPerLane; ++i) x[i] *= sign[i];
   WarpWalshHadamard(x, lane);
   const float norm = 1.0f / sqrtf(static_cast<float>(kDim));
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) x[i] *= norm;
 }
 
-// x ← Rᵀ · x (RotateInverse).
+// x ← Rᵀ · x (RotateInverse), signs from LaneSigns.
 template <int kPerLane>
-__device__ __forceinline__ void WarpRotateInverse(float (&x)[kPerLane], int lane, uint64_t seed) {
+__device__ __forceinline__ void WarpRotateInverse(float (&x)[kPerLane], int lane, const float (&sign)[kPerLane]) {
   constexpr int kDim = 32 * kPerLane;
   WarpWalshHadamard(x, lane);
   const float norm = 1.0f / sqrtf(static_cast<float>(kDim));
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) x[i] *= norm * RotationSign(seed, lane * kPerLane + i);
+  for (int i = 0; i < kPerLane; ++i) x[i] *= norm * sign[i];
 }
 
 // Index of the page that holds `token`: pages are sorted by token_begin and tile [0, N).
