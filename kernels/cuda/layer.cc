@@ -97,10 +97,7 @@ RowEpilogueParams BaseRowParams(const LayerConfig& c, const LayerTensors& t) {
   p.k_norm_weight = t.k_norm_weight;
   p.norm_weight_len = c.qk_norm.weight_len;
   p.norm_eps = c.qk_norm.eps;
-  p.rope_layout = c.rope.layout;
-  p.rope_axes = c.rope.n_axes;
-  for (int a = 0; a < 3; ++a) p.rope_axis_dims[a] = c.rope.axis_dims[a];
-  p.rope_theta = c.rope.theta;
+  FillRopeTable(c.rope, &p);
   p.positions = t.positions;
   p.rotate = c.transforms.rotate;
   p.seed = c.transforms.seed;

@@ -1,5 +1,7 @@
 #include "kernels/cuda/row_epilogue.h"
 
+#include <cmath>
+
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/warp_row.cuh"
 
@@ -8,20 +10,18 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 
-// RoPE on one row (format.h order: after QK-norm, before smoothing). `buf` is this warp's d floats
-// of shared memory, used to read each channel's partner.
+// RoPE on one row (after QK-norm, before smoothing), the CPU reference's arithmetic without FMA
+// contraction. `buf` is this warp's d floats of shared memory, used to read each channel's partner.
 template <int kPerLane>
 __device__ void ApplyRope(float (&x)[kPerLane], float* buf, int lane, const RowEpilogueParams& p, int64_t token) {
-  int rotary = 0;
-  for (int a = 0; a < p.rope_axes; ++a) rotary += p.rope_axis_dims[a];
-  const int half = rotary / 2;
+  const int half = p.rope_pairs;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) buf[lane * kPerLane + i] = x[i];
   __syncwarp();
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const int c = lane * kPerLane + i;
-    if (c >= rotary) continue;
+    if (c >= 2 * half) continue;
     int pair, partner;
     bool first;
     if (p.rope_layout == RopeLayout::kInterleaved) {
@@ -31,19 +31,12 @@ __device__ void ApplyRope(float (&x)[kPerLane], float* buf, int lane, const RowE
       pair = first ? c : c - half;
       partner = first ? c + half : c - half;
     }
-    int axis = 0, start = 0;
-    while (axis < p.rope_axes - 1 && pair >= start + p.rope_axis_dims[axis] / 2) {
-      start += p.rope_axis_dims[axis] / 2;
-      ++axis;
-    }
-    const float inv_freq = powf(p.rope_theta, -2.0f * static_cast<float>(pair - start) /
-                                                  static_cast<float>(p.rope_axis_dims[axis]));
-    const float angle = p.positions[token * p.rope_axes + axis] * inv_freq;
-    float s, co;
-    sincosf(angle, &s, &co);
+    const float angle = __fmul_rn(p.positions[token * p.rope_axes + p.rope_axis_of_pair[pair]], p.rope_inv_freq[pair]);
+    const float co = cosf(angle), s = sinf(angle);
     const float other = buf[partner];
-    // (a, b) → (a·cos − b·sin, a·sin + b·cos), a the first channel of the pair.
-    x[i] = first ? x[i] * co - other * s : other * s + x[i] * co;
+    // (x0, x1) → (x0·cos − x1·sin, x0·sin + x1·cos), x0 the first channel of the pair.
+    x[i] = first ? __fsub_rn(__fmul_rn(x[i], co), __fmul_rn(other, s))
+                 : __fadd_rn(__fmul_rn(other, s), __fmul_rn(x[i], co));
   }
   __syncwarp();
 }
@@ -155,10 +148,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const R
       float ss = 0.0f;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) ss += x[i] * x[i];
-      const float r = rsqrtf(WarpSum(ss) / static_cast<float>(kDim) + p.norm_eps);
+      const float r = 1.0f / sqrtf(WarpSum(ss) / static_cast<float>(kDim) + p.norm_eps);
       const int w0 = p.norm_weight_len == kDim ? chan : hc;
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) x[i] = x[i] * r * norm_w[w0 + i];
+      for (int i = 0; i < kPerLane; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], r), norm_w[w0 + i]);
     }
     if (kind != 2 && p.rope_layout != RopeLayout::kNone) ApplyRope(x, rope_buf[warp], lane, p, token);
 
@@ -207,50 +200,74 @@ __global__ void GatherRowsKernel(const uint16_t* x, int64_t hidden, const int64_
   for (int64_t i = threadIdx.x; i < hidden / 8; i += blockDim.x) dst[i] = src[i];
 }
 
-// One block per head: kGroups sample groups × d channels; group partials are combined in a fixed
-// order, so the result is deterministic.
+// One block per head: kStatsGroups sample groups × d channels; group partials (double) are combined
+// in a fixed order, so the result is deterministic.
 constexpr int kStatsGroups = 8;
 
 template <int kDim>
 __global__ void __launch_bounds__(kDim * kStatsGroups) KvStatsKernel(const float* kv, int64_t n_sample, int n_heads,
                                                                      bool smooth, bool balance, float* mu_k,
                                                                      float* mu_v, float* lambda) {
-  __shared__ double sums[2][kStatsGroups][kDim];
-  __shared__ float maxes[kStatsGroups][kDim];
-  __shared__ float log_lambda[kDim];
+  __shared__ double part[2][kStatsGroups][kDim];
+  __shared__ double range[kDim];
   const int c = threadIdx.x % kDim, group = threadIdx.x / kDim, head = blockIdx.x;
   const int64_t head_cols = static_cast<int64_t>(n_heads) * kDim;
   const int64_t stride = 2 * head_cols;
   const int64_t kc = static_cast<int64_t>(head) * kDim + c;
   double sum_k = 0.0, sum_v = 0.0;
-  for (int64_t r = group; r < n_sample; r += kStatsGroups) {
-    sum_k += kv[r * stride + kc];
-    sum_v += kv[r * stride + head_cols + kc];
+  if (smooth) {
+    for (int64_t r = group; r < n_sample; r += kStatsGroups) {
+      sum_k += kv[r * stride + kc];
+      sum_v += kv[r * stride + head_cols + kc];
+    }
   }
-  sums[0][group][c] = sum_k, sums[1][group][c] = sum_v;
+  part[0][group][c] = sum_k, part[1][group][c] = sum_v;
   __syncthreads();
   double total_k = 0.0, total_v = 0.0;
-  for (int g = 0; g < kStatsGroups; ++g) total_k += sums[0][g][c], total_v += sums[1][g][c];
+  for (int g = 0; g < kStatsGroups; ++g) total_k += part[0][g][c], total_v += part[1][g][c];
   const float mk = smooth ? static_cast<float>(total_k / static_cast<double>(n_sample)) : 0.0f;
   const float mv = smooth ? static_cast<float>(total_v / static_cast<double>(n_sample)) : 0.0f;
-  float amax = 0.0f;
-  for (int64_t r = group; r < n_sample; r += kStatsGroups) amax = fmaxf(amax, fabsf(kv[r * stride + kc] - mk));
-  maxes[group][c] = amax;
+  double m = 0.0;
+  for (int64_t r = group; r < n_sample; r += kStatsGroups) {
+    m = fmax(m, fabs(static_cast<double>(kv[r * stride + kc]) - static_cast<double>(mk)));
+  }
   __syncthreads();
-  for (int g = 0; g < kStatsGroups; ++g) amax = fmaxf(amax, maxes[g][c]);
-  const float lam = fmaxf(sqrtf(amax), kMinLambda);
-  if (group == 0) log_lambda[c] = logf(lam);
+  part[0][group][c] = m;
+  __syncthreads();
+  if (group == 0) {
+    for (int g = 1; g < kStatsGroups; ++g) m = fmax(m, part[0][g][c]);
+    range[c] = m;
+  }
   __syncthreads();
   if (group != 0) return;
-  float mean_log = 0.0f;
-  for (int i = 0; i < kDim; ++i) mean_log += log_lambda[i];
-  mean_log /= static_cast<float>(kDim);
+  double widest = 0.0;
+  for (int i = 0; i < kDim; ++i) widest = fmax(widest, range[i]);
+  float lam = 1.0f;
+  if (balance && widest > 0.0 && isfinite(widest)) {
+    double log_sum = 0.0;
+    for (int i = 0; i < kDim; ++i) log_sum += log(sqrt(fmax(range[i], kLambdaFloor * widest)));
+    lam = static_cast<float>(sqrt(fmax(m, kLambdaFloor * widest)) / exp(log_sum / kDim));
+  }
   mu_k[kc] = mk;
   mu_v[kc] = mv;
-  lambda[kc] = balance ? lam / expf(mean_log) : 1.0f;
+  lambda[kc] = lam;
 }
 
 }  // namespace
+
+void FillRopeTable(const RopeOptions& rope, RowEpilogueParams* params) {
+  params->rope_layout = rope.layout;
+  params->rope_axes = rope.n_axes;
+  int pair = 0;
+  for (int a = 0; a < rope.n_axes && rope.layout != RopeLayout::kNone; ++a) {
+    for (int i = 0; i < rope.axis_dims[a] / 2 && pair < kMaxHeadDimGpu / 2; ++i, ++pair) {
+      params->rope_inv_freq[pair] = static_cast<float>(
+          std::pow(static_cast<double>(rope.theta), -2.0 * i / static_cast<double>(rope.axis_dims[a])));
+      params->rope_axis_of_pair[pair] = static_cast<uint8_t>(a);
+    }
+  }
+  params->rope_pairs = pair;
+}
 
 Error LaunchRowEpilogue(RowMode mode, const RowEpilogueParams& params, cudaStream_t stream) {
   if (params.n_rows == 0) return Error::Ok();

@@ -20,6 +20,8 @@
 namespace kvpack::cuda {
 
 enum class RowMode : int { kPackKv = 0, kStats = 1, kQuery = 2 };
+inline constexpr int kMaxHeadDimGpu = 128;
+
 
 struct RowEpilogueParams {
   // Input: GEMM output rows, bf16.
@@ -40,8 +42,9 @@ struct RowEpilogueParams {
   bool norm = false;
   RopeLayout rope_layout = RopeLayout::kNone;
   int rope_axes = 0;
-  int rope_axis_dims[3] = {0, 0, 0};
-  float rope_theta = 10000.0f;
+  int rope_pairs = 0;                      // R/2, R = Σ axis_dims
+  float rope_inv_freq[kMaxHeadDimGpu / 2] = {};  // pair j turns by positions[t, axis_of_pair[j]] · inv_freq[j]
+  uint8_t rope_axis_of_pair[kMaxHeadDimGpu / 2] = {};
   const float* positions = nullptr;        // [N, rope_axes]
 
   // Smoothing and rotation (device tables of the entry; μ = 0 and λ = 1 where switched off).
@@ -62,16 +65,21 @@ struct RowEpilogueParams {
   int64_t out_stride = 0;
 };
 
+// The RoPE table of a config, computed on the host exactly as the CPU reference does
+// (inv_freq = float(theta^(−2i/axis_dims[a])) in double), so both backends turn by the same angles.
+void FillRopeTable(const RopeOptions& rope, RowEpilogueParams* params);
+
 Error LaunchRowEpilogue(RowMode mode, const RowEpilogueParams& params, cudaStream_t stream);
 
 // Copies rows token_index[i] of x ([N, hidden] bf16) to out [n, hidden].
 Error LaunchGatherRows(const uint16_t* x, int64_t hidden, const int64_t* token_index, int64_t n, uint16_t* out,
                        cudaStream_t stream);
 
-// μ_k, μ_v, λ per (head, channel) from the pre-pass's float K | V [n_sample, 2·H·d]:
-// μ = mean over the sample (0 without smoothing); λ_c = max|k_c − μ_c|^0.5, clamped below at
-// kMinLambda and divided by its geometric mean over the head's d channels (1 without balancing).
-inline constexpr float kMinLambda = 1e-4f;
+// μ_k, μ_v, λ per (head, channel) from the pre-pass's float K | V [n_sample, 2·H·d], the CPU
+// reference's rule (kernels/cpu/stats.h) in double: μ = mean over the sample (0 without smoothing);
+// m_c = max|k_c − μ_c|, λ'_c = sqrt(max(m_c, kLambdaFloor · max m)), λ = λ' / geometric mean of the
+// head's λ' (1 without balancing, or when every m_c of the head is 0).
+inline constexpr double kLambdaFloor = 1e-6;
 Error LaunchKvStats(const float* kv, int64_t n_sample, int n_heads, int head_dim, bool smooth, bool balance,
                     float* mu_k, float* mu_v, float* lambda, cudaStream_t stream);
 

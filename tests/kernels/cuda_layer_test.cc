@@ -22,6 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/cpu/epilogue.h"
+#include "kernels/cpu/layer.h"
 #include "kernels/format.h"
 #include "kernels/rotation.h"
 
@@ -41,6 +43,8 @@ constexpr double kInt4RelL2 = 0.15;
 constexpr double kInt8RelL2 = 3e-2;
 constexpr double kBf16RelL2 = 2e-2;
 constexpr double kStatsRelTol = 2e-3;
+// vs the CPU backend (same format, same stats up to rounding; the GPU's bf16 tiles and bf16 P).
+constexpr double kCpuRelL2 = 1.5e-2;
 
 bool HaveDevice() {
   int n = 0;
@@ -175,26 +179,9 @@ HostLayer MakeLayer(const Case& c) {
       for (int h = 0; h < c.heads; ++h) {
         float* x = &row[kind * hd + h * c.dim];
         if (c.norm && kind < 2) {
-          float ss = 0;
-          for (int e = 0; e < c.dim; ++e) ss += x[e] * x[e];
-          const float rs = 1.0f / std::sqrt(ss / c.dim + cfg.qk_norm.eps);
-          const float* wn = (kind == 0 ? L.q_norm.data() : L.k_norm.data()) + h * c.dim;
-          for (int e = 0; e < c.dim; ++e) x[e] = x[e] * rs * wn[e];
+          cpu::ApplyQkNorm(x, c.dim, (kind == 0 ? L.q_norm.data() : L.k_norm.data()) + h * c.dim, cfg.qk_norm.eps);
         }
-        if (c.rope != RopeLayout::kNone && kind < 2) {
-          int rotary = 0;
-          for (int a = 0; a < c.rope_axes; ++a) rotary += c.axis_dims[a];
-          std::vector<float> in(x, x + c.dim);
-          for (int j = 0, start = 0, axis = 0; j < rotary / 2; ++j) {
-            if (j >= start + c.axis_dims[axis] / 2) start += c.axis_dims[axis] / 2, ++axis;
-            const float inv = std::pow(cfg.rope.theta, -2.0f * (j - start) / c.axis_dims[axis]);
-            const float ang = L.positions[i * c.rope_axes + axis] * inv;
-            const int a = c.rope == RopeLayout::kInterleaved ? 2 * j : j;
-            const int b = c.rope == RopeLayout::kInterleaved ? 2 * j + 1 : j + rotary / 2;
-            x[a] = in[a] * std::cos(ang) - in[b] * std::sin(ang);
-            x[b] = in[a] * std::sin(ang) + in[b] * std::cos(ang);
-          }
-        }
+        if (c.rope != RopeLayout::kNone && kind < 2) cpu::ApplyRope(x, c.dim, cfg.rope, &L.positions[i * c.rope_axes]);
         float* dst = (kind == 0 ? L.q : kind == 1 ? L.k : L.v).data() + (i * c.heads + h) * c.dim;
         std::memcpy(dst, x, c.dim * sizeof(float));
       }
@@ -312,32 +299,57 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
   const float* mu_v = reinterpret_cast<const float*>(block.data() + layout.mu_v_offset);
   const float* lambda = reinterpret_cast<const float*>(block.data() + layout.lambda_offset);
   {
-    const int64_t s = std::min<int64_t>(n, cfg.transforms.stats_sample_tokens);
-    double worst_mu = 0, worst_lambda = 0, scale_mu = 0;
-    std::vector<double> mk(hd, 0), mv(hd, 0), amax(hd, 0);
-    for (int64_t i = 0; i < s; ++i) {
-      const int64_t tok = i * n / s;
-      for (int64_t col = 0; col < hd; ++col) mk[col] += L.k[tok * hd + col] / double(s), mv[col] += L.v[tok * hd + col] / double(s);
+    const KvStats want = cpu::ComputeStats(L.k.data(), L.v.data(), cfg.shape, cfg.transforms);
+    double worst_mu = 0, worst_lambda = 0, scale_mu = 1.0;
+    for (int64_t col = 0; col < hd; ++col) {
+      scale_mu = std::max({scale_mu, std::fabs(double(want.mu_k[col])), std::fabs(double(want.mu_v[col]))});
+      worst_mu = std::max({worst_mu, std::fabs(double(mu_k[col]) - want.mu_k[col]), std::fabs(double(mu_v[col]) - want.mu_v[col])});
+      worst_lambda = std::max(worst_lambda, std::fabs(double(lambda[col]) - want.lambda[col]) / want.lambda[col]);
     }
-    if (!c.transforms) std::fill(mk.begin(), mk.end(), 0.0), std::fill(mv.begin(), mv.end(), 0.0);
-    for (int64_t i = 0; i < s; ++i) {
-      const int64_t tok = i * n / s;
-      for (int64_t col = 0; col < hd; ++col) amax[col] = std::max(amax[col], std::fabs(L.k[tok * hd + col] - mk[col]));
-    }
-    for (int h = 0; h < c.heads; ++h) {
-      double log_sum = 0;
-      for (int e = 0; e < c.dim; ++e) log_sum += std::log(std::max(std::sqrt(amax[h * c.dim + e]), 1e-4));
-      const double g = std::exp(log_sum / c.dim);
-      for (int e = 0; e < c.dim; ++e) {
-        const int64_t col = h * c.dim + e;
-        const double lam = c.transforms ? std::max(std::sqrt(amax[col]), 1e-4) / g : 1.0;
-        worst_lambda = std::max(worst_lambda, std::fabs(lambda[col] - lam) / lam);
-        worst_mu = std::max({worst_mu, std::fabs(mu_k[col] - mk[col]), std::fabs(mu_v[col] - mv[col])});
-        scale_mu = std::max({scale_mu, std::fabs(mk[col]), std::fabs(mv[col]), 1.0});
-      }
-    }
+    std::printf("[%s] stats vs cpu::ComputeStats: mu %.2e (relative to max |mu|), lambda %.2e\n", c.name,
+                worst_mu / scale_mu, worst_lambda);
     EXPECT_LE(worst_mu / scale_mu, kStatsRelTol) << "mu";
     EXPECT_LE(worst_lambda, kStatsRelTol) << "lambda";
+  }
+
+  // ── The CPU backend on the same inputs: its block and its output ──────────────────────────────
+  std::vector<uint8_t> cpu_block(cpu::KvBytes(cfg)), cpu_ws(cpu::WorkspaceBytes(cfg));
+  std::vector<uint16_t> cpu_x = L.x, cpu_out(c.in_place ? 0 : n * hd);
+  {
+    LayerTensors h;
+    h.x = cpu_x.data();
+    h.w_qkv = L.w.data();
+    h.bias = L.bias.data();
+    h.q_norm_weight = L.q_norm.data();
+    h.k_norm_weight = L.k_norm.data();
+    h.positions = cfg.rope.layout != RopeLayout::kNone ? L.positions.data() : nullptr;
+    h.out = c.in_place ? cpu_x.data() : cpu_out.data();
+    ASSERT_OK(cpu::RunLayer(cfg, h, cpu_block.data(), cpu_ws.data(), cpu::CpuOptions{}, nullptr));
+    if (c.in_place) cpu_out = cpu_x;
+  }
+  {
+    int64_t values = 0, same = 0;
+    for (size_t off = 0; off < layout.pages.size() * 2 * c.heads; ++off) {
+      const size_t which = off / (layout.pages.size() * c.heads), rest = off % (layout.pages.size() * c.heads);
+      const PageDesc& page = layout.pages[rest % layout.pages.size()];
+      const PageFormat f = static_cast<PageFormat>(page.format);
+      const uint64_t o = (which ? layout.v_offsets : layout.k_offsets)[rest];
+      const int code_bytes = page.n_valid * CodeBytesPerRow(f, c.dim);
+      for (int b = 0; b < code_bytes; ++b) {
+        const uint8_t g = block[o + b], w = cpu_block[o + b];
+        if (f == PageFormat::kInt4) {
+          values += 2, same += ((g ^ w) & 0x0f) == 0, same += ((g ^ w) & 0xf0) == 0;
+        } else if (f == PageFormat::kInt8) {
+          ++values, same += g == w;
+        } else if (b % 2 == 1) {
+          ++values, same += g == w && block[o + b - 1] == cpu_block[o + b - 1];
+        }
+      }
+    }
+    const double frac = double(same) / double(values);
+    std::printf("[%s] codes identical to cpu::RunLayer's block: %.6f (%lld of %lld)\n", c.name, frac,
+                static_cast<long long>(same), static_cast<long long>(values));
+    EXPECT_GE(frac, kCodeMatchFraction);
   }
 
   // ── Pages: host encoding of the same rows with the GPU's μ/λ ──────────────────────────────────
@@ -434,8 +446,13 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
   // (b) unquantized FP64 attention of the host q, k, v.
   const std::vector<double> exact = Attend(L.q, L.k, L.v, seq, c.heads, c.dim, c.causal, scale);
   const double err_decoded = RelL2(got, decoded), err_exact = RelL2(got, exact);
-  std::printf("[%s] rel L2 vs FP64 over decoded pages: %.5f (tol %.3f); vs FP64 unquantized: %.5f (tol %.3f)\n",
-              c.name, err_decoded, kDecodedRelL2, err_exact, WorstTolerance(c.ranges));
+  std::vector<double> cpu_ref(n * hd);
+  for (int64_t i = 0; i < n * hd; ++i) cpu_ref[i] = Bf16ToFloat(cpu_out[i]);
+  const double err_cpu = RelL2(got, cpu_ref), cpu_exact = RelL2(std::vector<float>(cpu_ref.begin(), cpu_ref.end()), exact);
+  std::printf("[%s] rel L2 vs FP64 over decoded pages: %.5f (tol %.3f); vs cpu::RunLayer: %.5f (tol %.3f); "
+              "vs FP64 unquantized: %.5f (tol %.3f; the CPU backend's: %.5f)\n",
+              c.name, err_decoded, kDecodedRelL2, err_cpu, kCpuRelL2, err_exact, WorstTolerance(c.ranges), cpu_exact);
+  EXPECT_LE(err_cpu, kCpuRelL2);
   EXPECT_LE(err_decoded, kDecodedRelL2);
   if (check_exact) {
     EXPECT_LE(err_exact, WorstTolerance(c.ranges));
