@@ -1,7 +1,7 @@
 // bench_layer: one attention layer of the CUDA engine on seeded inputs (bench_inputs.h).
 //
 //   bench_layer --n=32768 --hidden=7168 --heads=56 --dim=128 --format=int4 [--in_place=1] [--reps=3]
-//               [--tp=4096] [--tq=4096] [--rows_out=/tmp/rows.bin] [--gemm=1]
+//               [--tp=4096] [--tq=4096] [--tiling=tall|wide] [--rows_out=/tmp/rows.bin] [--gemm=1]
 //
 // Prints one JSON line: median layer time over --reps timed runs (inputs refilled before each, so an
 // in-place run never reads its own output), per-stage times of one instrumented run, attention
@@ -83,6 +83,8 @@ int main(int argc, char** argv) {
   CHECK_OK(cuda::Supported(config));
 
   cuda::CudaContext ctx;
+  const std::string tiling = get("tiling", "tall");
+  ctx.attention_tiling = tiling == "wide" ? cuda::AttentionTilingChoice::kWide : cuda::AttentionTilingChoice::kTall;
   CHECK_CUDA(cudaStreamCreate(&ctx.stream));
   if (cublasLtCreate(&ctx.blas) != CUBLAS_STATUS_SUCCESS) return 1;
 
@@ -181,12 +183,12 @@ int main(int argc, char** argv) {
       "\"layer_ms\": %.3f, \"stats_ms\": %.3f, \"kv_gemm_ms\": %.3f, \"kv_epilogue_ms\": %.3f, \"q_gemm_ms\": %.3f, "
       "\"q_epilogue_ms\": %.3f, \"attention_ms\": %.3f, \"attention_tflops\": %.1f, \"projection_ms\": %.3f, "
       "\"unchunked_gemm_ms\": %.3f, \"layer_gib\": %.4f, \"kv_gib\": %.4f, \"workspace_gib\": %.4f, "
-      "\"measured_alloc_gib\": %.4f, \"tp\": %lld, \"tq\": %lld}\n",
+      "\"measured_alloc_gib\": %.4f, \"tp\": %lld, \"tq\": %lld, \"tiling\": \"%s\"}\n",
       static_cast<long long>(n), hidden, heads, dim, fmt.c_str(), in_place ? 1 : 0, layer_ms, st.stats_ms,
       st.kv_gemm_ms, st.kv_epilogue_ms, st.q_gemm_ms, st.q_epilogue_ms, st.attention_ms,
       flops / (st.attention_ms * 1e-3) / 1e12, projection_ms, gemm_ms, layer_bytes / 1073741824.0,
       kv_bytes / 1073741824.0, ws_bytes / 1073741824.0, (free_before - free_after) / 1073741824.0,
-      static_cast<long long>(config.projection_chunk), static_cast<long long>(config.query_chunk));
+      static_cast<long long>(config.projection_chunk), static_cast<long long>(config.query_chunk), tiling.c_str());
   cudaFree(x);
   cudaFree(w);
   cublasLtDestroy(ctx.blas);

@@ -37,15 +37,18 @@ run() {  # n hidden heads dim format in_place [extra]
   "$B" --n=$1 --hidden=$2 --heads=$3 --dim=$4 --format=$5 --in_place=$6 --rows_out=/tmp/rows_$1_$4_$5_$6.bin ${7:-} \
     2>>"$OUT/bench.err" | tee -a "$OUT/kvpack.jsonl"
 }
-run 8192 7168 56 128 int4 0
 run 32768 7168 56 128 int4 0
+run 32768 7168 56 128 int4 0 "--tiling=wide --gemm=0 --reps=2"
+mv /tmp/rows_32768_128_int4_0.bin /tmp/rows_wide.bin 2>/dev/null
+run 32768 7168 56 128 int4 0 "--reps=2 --gemm=0"   # tall again: its rows for the error check, and the spread
+run 8192 7168 56 128 int4 0
 run 32768 7168 112 64 int4 0
 if [[ "$MODE" != quick ]]; then
+  run 152263 7168 56 128 int4 0 "--reps=2"
+  run 152263 7168 56 128 int4 1 "--reps=2 --gemm=0"
   run 32768 7168 56 128 int4 1
   run 32768 7168 56 128 int8 0 --gemm=0
   run 32768 7168 56 128 bf16 0 --gemm=0
-  run 152263 7168 56 128 int4 0 "--reps=2"
-  run 152263 7168 56 128 int4 1 "--reps=2 --gemm=0"
 fi
 python3 "$ROOT/bench/torch_baseline.py" --kvpack "$OUT/kvpack.jsonl" --rows_dir /tmp --out "$OUT/torch.jsonl" \
   2>"$OUT/torch.err" | tee -a "$OUT/summary.txt"

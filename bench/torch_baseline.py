@@ -129,6 +129,8 @@ def main():
             if (r["n"], r["hidden"], r["heads"], r["dim"]) != (n, hidden, heads, dim):
                 continue
             path = f"{args.rows_dir}/rows_{n}_{dim}_{r['format']}_{r['in_place']}.bin"
+            if r.get("tiling") == "wide":
+                path = f"{args.rows_dir}/rows_wide.bin"
             try:
                 got = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.bfloat16).view(64, heads * dim)
                 r["err_vs_fp32"] = rel_l2(got.to(dev), ref)
@@ -162,9 +164,9 @@ def main():
 
     print(f"\n{'shape':>22} {'impl':>14} {'layer ms':>9} {'attn ms':>9} {'TFLOP/s':>8} {'peak GiB':>9} "
           f"{'proj ms':>8} {'1xGEMM':>8} {'rel err':>8}")
-    for r in sorted(ours, key=lambda r: (r["n"], r["dim"], r["format"], r["in_place"])):
+    for r in sorted(ours, key=lambda r: (r["n"], r["dim"], r["format"], r["in_place"], r.get("tiling", ""))):
         shape = f"N={r['n']} {r['heads']}x{r['dim']}"
-        impl = f"kvpack {r['format']}{' inpl' if r['in_place'] else ''}"
+        impl = f"kvpack {r['format']}{' inpl' if r['in_place'] else ''}{' wide' if r.get('tiling') == 'wide' else ''}"
         print(f"{shape:>22} {impl:>14} {r['layer_ms']:9.1f} {r['attention_ms']:9.1f} {r['attention_tflops']:8.1f} "
               f"{r['layer_gib']:9.3f} {r['projection_ms']:8.2f} {r['unchunked_gemm_ms']:8.2f} {r.get('err_vs_fp32', float('nan')):8.4f}")
     for r in results:

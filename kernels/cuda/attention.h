@@ -1,6 +1,6 @@
 // Dense attention over packed K/V pages (FlashAttention-2 style), one kernel family.
 //
-// A CTA takes one query tile (kTileQueries = 128 rows of one head, 8 warps × 16 rows) and streams the
+// A CTA takes one query tile (kTileQueries = 128 rows of one head; warps × rows per AttentionTilingChoice) and streams the
 // pages of that head that its queries may see through shared memory: cp.async brings page p+1's raw
 // bytes while page p is computed; each page is decoded (INT4 / INT8 / BF16, per page) to a bf16 tile
 // in shared memory once and read by all 8 warps with ldmatrix; S = Q·Kᵀ and O += P·V run on
@@ -25,6 +25,11 @@ namespace kvpack::cuda {
 
 inline constexpr int kTileQueries = 128;
 
+// How the 128 query rows of a CTA are split over warps. kTall (default): 4 warps × 32 rows, two CTAs
+// per SM — every K/V fragment read from shared memory feeds two MMAs. kWide: 8 warps × 16 rows, one
+// CTA per SM (the first version, kept for comparison in bench_layer).
+enum class AttentionTilingChoice : uint8_t { kTall = 0, kWide = 1 };
+
 struct AttentionParams {
   const uint16_t* q = nullptr;   // bf16 [n_q, H·d], rotated and balanced (R·(q⊙λ))
   int64_t q_stride = 0;          // elements between query rows
@@ -36,6 +41,7 @@ struct AttentionParams {
   float softmax_scale = 0.0f;    // already resolved (1/√d when the option is 0)
   bool causal = false;
   int max_page_bytes = 0;        // largest page of the entry's formats (sizes the raw stages)
+  AttentionTilingChoice tiling = AttentionTilingChoice::kTall;
 };
 
 // OK for head_dim 64 / 128 and a non-empty entry.

@@ -273,6 +273,7 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
                                                       : 1.0f / std::sqrt(static_cast<float>(c.shape.head_dim));
   a.causal = c.attention.causal;
   a.max_page_bytes = MaxPageBytes(c);
+  a.tiling = ctx.attention_tiling;
 
   const int64_t tq = QueryRows(c);
   for (int64_t q0 = 0; q0 < n; q0 += tq) {

@@ -31,6 +31,9 @@ namespace kvpack::cuda {
 namespace {
 
 constexpr double kCodeMatchFraction = 0.999;
+// A bf16 code changes with any 1-ulp change of its input (e.g. the GEMM's fp32 summation order, which
+// differs between cuBLAS and the CPU reference), so BF16 pages are held to a looser identity.
+constexpr double kBf16CodeMatchFraction = 0.995;
 // The host GEMM (fp64, rounded to bf16) and cuBLAS (fp32, its own order) round a few products to
 // different bf16 neighbours; when that lands in an outlier channel the rotation spreads it over the
 // whole row, so a handful of values may sit just beyond one step — never beyond two.
@@ -87,6 +90,7 @@ struct Case {
   bool transforms = true;
   int64_t projection_chunk = 4096, query_chunk = 4096;
   uint64_t seed = 1;
+  AttentionTilingChoice tiling = AttentionTilingChoice::kTall;
 };
 
 float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
@@ -282,6 +286,7 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
   t.out = c.in_place ? x.as<uint16_t>() : out.as<uint16_t>();
 
   CudaContext ctx;
+  ctx.attention_tiling = c.tiling;
   ASSERT_CUDA(cudaStreamCreate(&ctx.stream));
   ASSERT_EQ(cublasLtCreate(&ctx.blas), CUBLAS_STATUS_SUCCESS);
   ASSERT_OK(RunLayer(cfg, t, kv.as<uint8_t>(), ws.as<uint8_t>(), ctx, nullptr));
@@ -349,7 +354,9 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
     const double frac = double(same) / double(values);
     std::printf("[%s] codes identical to cpu::RunLayer's block: %.6f (%lld of %lld)\n", c.name, frac,
                 static_cast<long long>(same), static_cast<long long>(values));
-    EXPECT_GE(frac, kCodeMatchFraction);
+    bool all_bf16 = true;
+    for (const auto& r : c.ranges) all_bf16 = all_bf16 && r.format == PageFormat::kBf16;
+    EXPECT_GE(frac, all_bf16 ? kBf16CodeMatchFraction : kCodeMatchFraction);
   }
 
   // ── Pages: host encoding of the same rows with the GPU's μ/λ ──────────────────────────────────
@@ -494,6 +501,20 @@ TEST(CudaLayer, MixedFormatsSequencesCausalRopeNormInPlace) {
   c.rope = RopeLayout::kSplitHalves, c.rope_axes = 3, c.axis_dims[0] = 16, c.axis_dims[1] = 24, c.axis_dims[2] = 24;
   c.projection_chunk = 1000, c.query_chunk = 1500;
   c.seed = 12;
+  RunCase(c);
+}
+
+TEST(CudaLayer, MixedFormatsWideTiling) {
+  SKIP_WITHOUT_GPU();
+  Case c{"mixed wide tiling N=1999 d=128",
+         1999,
+         256,
+         2,
+         128,
+         {{0, 333, 0, PageFormat::kInt8}, {333, 1500, 0, PageFormat::kInt4}, {1500, 1999, 1, PageFormat::kBf16}}};
+  c.causal = true;
+  c.tiling = AttentionTilingChoice::kWide;
+  c.seed = 17;
   RunCase(c);
 }
 
