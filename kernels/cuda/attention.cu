@@ -381,6 +381,8 @@ Error Launch(const AttentionParams& p, cudaStream_t stream) {
   const int smem = T::kRawOffset + 4 * p.max_page_bytes;  // + 2 raw stages × (K + V)
   auto kernel = AttentionKernel<kDim, kWarps, kMTiles>;
   KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  // All of the unified L1/shared array as shared memory, so two kTall CTAs (2 × ~93 KB) fit.
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   const dim3 grid(static_cast<unsigned>((p.n_q + kTileQueries - 1) / kTileQueries), static_cast<unsigned>(p.kv.n_heads));
   kernel<<<grid, T::kThreads, smem, stream>>>(p);
   KVPACK_CUDA_RETURN_LAUNCH("attention kernel");
