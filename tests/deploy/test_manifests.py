@@ -87,15 +87,20 @@ def test_flags_token_and_volumes_agree(objects):
     spec = objects[("DaemonSet", "kvpackd")]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in spec["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    flags_cm = volumes["flags"]["configMap"]["name"]
-    flags = objects[("ConfigMap", flags_cm)]["data"]["kvpackd.flags"]
-    assert f"--flagfile={mounts['flags']}/kvpackd.flags" in c["args"]
-    assert f"--address=0.0.0.0:{GRPC_PORT}" in flags
-    assert f"--metrics_address=0.0.0.0:{METRICS_PORT}" in flags
+    cm_name = c["envFrom"][0]["configMapRef"]["name"]
+    env = objects[("ConfigMap", cm_name)]["data"]
+    # Every $(VAR) in args is a ConfigMap key, and every key is used.
+    used = set(re.findall(r"\$\((\w+)\)", " ".join(c["args"])))
+    assert used == set(env), (used, set(env))
+    args = " ".join(c["args"]).replace("$(", "{").replace(")", "}").format(**env)
+    assert f"--listen=0.0.0.0:{GRPC_PORT}" in args
+    assert f"--metrics_address=0.0.0.0:{METRICS_PORT}" in args
+    assert int(env["KVPACKD_DRAIN_SECONDS"]) < spec["terminationGracePeriodSeconds"]
     secret = objects[("Secret", volumes["auth"]["secret"]["secretName"])]
-    assert "token" in secret["stringData"]
-    assert f"--auth_token_file={mounts['auth']}/token" in flags, \
+    assert f"--auth_token_file={mounts['auth']}/token" in args, \
         "listening beyond loopback requires the bearer token"
+    assert len(secret["stringData"]["token"]) < 16, \
+        "the committed placeholder must be too short for the daemon to accept"
 
 
 def test_service_is_node_local_and_matches_ports(objects):
@@ -140,7 +145,7 @@ def test_dockerfile_is_multistage_unprivileged_with_grpc_healthcheck():
     assert health and "grpc_health_probe" in health.group(1)
     assert f"-addr=127.0.0.1:{GRPC_PORT}" in health.group(1)
     assert re.search(rf"^EXPOSE\s+{GRPC_PORT}\s+{METRICS_PORT}", text, re.M)
-    assert "--auth_token_file=" in text, "the image listens beyond loopback"
+    assert "--auth_token_file=" in text and '"--listen=0.0.0.0:50051"' in text
 
 
 # ── systemd ─────────────────────────────────────────────────────────────────────────────────────
@@ -166,7 +171,12 @@ def test_systemd_unit_hardening():
     assert s["EnvironmentFile"] == ["/etc/kvpack/kvpackd.env"]
     assert "$KVPACKD_FLAGS" in s["ExecStart"][0]
     env = (DEPLOY / "systemd" / "kvpackd.env").read_text()
-    assert re.search(rf'^KVPACKD_FLAGS=".*--metrics_address=127\.0\.0\.1:{METRICS_PORT}', env, re.M)
+    flags = re.search(r'^KVPACKD_FLAGS="(.*)"$', env, re.M).group(1).split()
+    assert f"--metrics_address=127.0.0.1:{METRICS_PORT}" in flags
+    assert "--listen=unix:/run/kvpackd/kvpackd.sock" in flags, "the socket in RuntimeDirectory"
+    drain = next(float(f.split("=")[1]) for f in flags if f.startswith("--drain_seconds="))
+    stop = unit_settings(DEPLOY / "systemd" / "kvpackd.service")["TimeoutStopSec"][0]
+    assert drain < float(stop), "the daemon drains before systemd kills it"
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")

@@ -5,7 +5,7 @@ on the CPU backend (no GPU needed) on free loopback ports and is stopped with SI
 then exits) when the block ends.
 
 Which binary: $KVPACKD if set, else $KVPACK_BUILD_DIR/server/kvpackd, else <repo>/build/server/kvpackd.
-Which flags: the daemon's own `--helpfull` is read to pick the names of the listen-address flag;
+Which flags: the daemon's own `--help` is read to pick the name of the listen-address flag;
 $KVPACKD_TEST_ARGS (a shell-quoted string) replaces the generated flags entirely, with {port} and
 {metrics_port} substituted.
 """
@@ -24,8 +24,8 @@ import urllib.request
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
 # Candidate spellings of the gRPC listen flag, in order of preference; the first one the daemon's
-# --helpfull mentions is used, else the first.
-_ADDRESS_FLAGS = ("address", "listen", "listen_address", "grpc_address", "addr")
+# --help mentions is used, else the first.
+_ADDRESS_FLAGS = ("listen", "address", "listen_address", "grpc_address")
 
 
 def find_kvpackd():
@@ -50,7 +50,7 @@ def free_port():
 
 def _known_flags(binary):
     try:
-        out = subprocess.run([str(binary), "--helpfull"], capture_output=True, text=True,
+        out = subprocess.run([str(binary), "--help"], capture_output=True, text=True,
                              timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return set()

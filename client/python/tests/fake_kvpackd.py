@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A stand-in for kvpackd used to test kvpack.testing.LocalDaemon without the real daemon: it
-answers --helpfull, serves a fixed /metrics page on --metrics_address and accepts TCP connections
+answers --help, serves a fixed /metrics page on --metrics_address and accepts TCP connections
 on the listen address. Exits on SIGTERM like the daemon."""
 
 import http.server
@@ -13,8 +13,9 @@ PAGE = b"# TYPE kvpack_queue_depth gauge\nkvpack_queue_depth 0\n"
 
 
 def main(argv):
-    if "--helpfull" in argv:
-        print("  --listen (gRPC address) type: string\n  --metrics_address type: string")
+    if "--help" in argv:
+        print("  --address=ADDR   (a decoy: --listen wins)\n  --listen=ADDR   gRPC address\n"
+              "  --metrics_address=ADDR")
         return 0
     flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     host, port = flags["listen"].rsplit(":", 1)

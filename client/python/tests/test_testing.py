@@ -27,7 +27,7 @@ def test_missing_binary_is_reported(monkeypatch, tmp_path):
 def test_starts_scrapes_and_stops(monkeypatch):
     monkeypatch.delenv("KVPACKD_TEST_ARGS", raising=False)
     d = testing.LocalDaemon(binary=FAKE)
-    assert d.args()[0] == f"--listen=127.0.0.1:{d.port}", "flag name read from --helpfull"
+    assert d.args()[0] == f"--listen=127.0.0.1:{d.port}", "flag name read from --help"
     with d:
         assert "kvpack_queue_depth 0" in d.scrape()
         proc = d.proc
