@@ -1,7 +1,7 @@
 """A live kvpackd's /metrics against docs/metrics.md, the dashboard and the rules.
 
-Runs when a kvpackd binary is found (KVPACKD, KVPACK_BUILD_DIR/server/kvpackd or
-build/server/kvpackd) and skips otherwise. The daemon runs on the CPU backend on loopback ports.
+Runs when a kvpackd binary is found (KVPACKD, or under KVPACK_BUILD_DIR or build/: see
+kvpack.testing.find_kvpackd) and skips otherwise. The daemon runs on the CPU backend on loopback ports.
 """
 
 import json

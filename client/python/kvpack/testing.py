@@ -4,7 +4,8 @@ Standard library only, so the deploy tests can use it before the gRPC stubs exis
 on the CPU backend (no GPU needed) on free loopback ports and is stopped with SIGTERM (it drains,
 then exits) when the block ends.
 
-Which binary: $KVPACKD if set, else $KVPACK_BUILD_DIR/server/kvpackd, else <repo>/build/server/kvpackd.
+Which binary: $KVPACKD if set, else kvpackd under $KVPACK_BUILD_DIR, else under <repo>/build (the
+CMake target lives in server/service/; server/ is looked at too).
 Which flags: the daemon's own `--help` is read to pick the name of the listen-address flag;
 $KVPACKD_TEST_ARGS (a shell-quoted string) replaces the generated flags entirely, with {port} and
 {metrics_port} substituted.
@@ -33,9 +34,9 @@ def find_kvpackd():
     candidates = []
     if os.environ.get("KVPACKD"):
         candidates.append(pathlib.Path(os.environ["KVPACKD"]))
-    if os.environ.get("KVPACK_BUILD_DIR"):
-        candidates.append(pathlib.Path(os.environ["KVPACK_BUILD_DIR"]) / "server" / "kvpackd")
-    candidates.append(REPO / "build" / "server" / "kvpackd")
+    builds = [pathlib.Path(os.environ["KVPACK_BUILD_DIR"])] if os.environ.get("KVPACK_BUILD_DIR") else []
+    for build in builds + [REPO / "build"]:
+        candidates += [build / "server" / "service" / "kvpackd", build / "server" / "kvpackd"]
     for c in candidates:
         if c.is_file() and os.access(c, os.X_OK):
             return c
@@ -63,7 +64,7 @@ class LocalDaemon:
     def __init__(self, binary=None, budget_bytes=1 << 30, extra_args=(), start_timeout_s=30.0):
         self.binary = pathlib.Path(binary) if binary else find_kvpackd()
         if self.binary is None:
-            raise FileNotFoundError("no kvpackd binary (set KVPACK_BUILD_DIR or KVPACKD)")
+            raise FileNotFoundError("no kvpackd binary (build it, or set KVPACK_BUILD_DIR or KVPACKD)")
         self.port = free_port()
         self.metrics_port = free_port()
         self.budget_bytes = budget_bytes
