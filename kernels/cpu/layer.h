@@ -2,14 +2,35 @@
 // CUDA kernels are checked against. Same contract as kernels/cuda/layer.h, on host memory.
 //
 // Flow of RunLayer (= ProjectKv, then AttendLayer):
-//   1. statistics pre-pass: project a strided sample of ~transforms.stats_sample_tokens tokens,
-//      apply bias / QK-norm / RoPE, compute μ_k, μ_v, λ per (head, channel) (unless config.stats);
-//   2. K/V projection in chunks of config.projection_chunk tokens: x[chunk] · W_kᵀ, W_vᵀ (fp32
-//      accumulation, rounded to bf16 like a GEMM into a bf16 workspace), epilogue, pages;
-//   3. query chunks of config.query_chunk tokens: x[chunk] · W_qᵀ, epilogue (λ, R), attention over the
-//      pages with online softmax, page by page, Rᵀ and μ_v in the epilogue, bf16 out (may be x).
-// Results are bit-identical for every chunk size. Memory: the caller passes the K/V block
-// (KvBytes) and the scratch (WorkspaceBytes); nothing else of size O(N) is allocated.
+//   1. statistics pre-pass (unless config.stats): project the S = min(N, stats_sample_tokens)
+//      tokens t_i = floor(i·N/S), apply bias / QK-norm / RoPE, compute μ_k, μ_v, λ per (head,
+//      channel) (stats.h); write them, the page table and offsets into the K/V block (pack.h);
+//   2. K/V projection in chunks of config.projection_chunk tokens: x[chunk] · W_kᵀ, W_vᵀ with fp32
+//      accumulation in a fixed order, rounded to bf16 like a GEMM into a bf16 workspace
+//      (projection.h); then per (token, head) the fp32 epilogue bias → QK-norm → RoPE → stored form
+//      → quantized into the token's page (epilogue.h);
+//   3. query chunks of config.query_chunk tokens: x[chunk] · W_qᵀ, epilogue (λ, R, bf16 round),
+//      attention over the pages with online softmax, page by page (attention.h); acc/ℓ, Rᵀ, + μ_v
+//      in the epilogue; bf16 out. With in_place, Q of chunk c is projected from x rows of chunk c
+//      before the attention overwrites them (K/V were all projected in step 2).
+// Query i has the sequence id of the range holding token i and position i (causal: key ≤ query).
+// Results are bit-identical for every chunk size and thread count (each output element depends
+// only on its own inputs, in a fixed arithmetic order).
+//
+// Memory: the caller passes the K/V block (KvBytes) and the scratch (WorkspaceBytes); nothing of
+// size O(chunk) is allocated, and of size O(N) only the host page table of PlanKvLayout
+// (16 + 16·H bytes per 64 tokens, the same bytes the block's tables hold). The workspace holds, at
+// offset 0, one of (never two at once):
+//   pre-pass    bf16 [S, 2·H·d]           K and V of the sampled tokens   (only without
+//                                                                          config.stats and with
+//                                                                          smooth or balance on)
+//   projection  bf16 [min(Tp, N), 2·H·d]  K then V columns of one chunk
+//   queries     bf16 [min(Tq, N), H·d]    Q of one chunk in stored form
+// WorkspaceBytes is the largest of the three, and that many bytes are written (tests hold it).
+// Per-thread stack buffers of AttendTile are ~150 KiB at d = 256 (two decoded pages + a tile).
+//
+// Errors: kvpack::Error values (never exceptions or aborts): Supported's message names the field;
+// kCancelled when the CancelFn, polled before each chunk, returns true.
 //
 // Thread safety: functions are reentrant; each call uses up to CpuOptions::n_threads threads.
 #pragma once
@@ -57,14 +78,17 @@ Error RunLayer(const LayerConfig& config, const LayerTensors& tensors, uint8_t* 
 // ── Pieces on float tensors (quality evaluation and tests) ──────────────────────────────────────
 
 // μ_k, μ_v, λ from a strided sample of K and V, both [n_tokens, n_heads, head_dim] (after QK-norm
-// and RoPE). With smoothing off μ = 0; with balancing off λ = 1.
+// and RoPE); the same sample and formulas as the layer's pre-pass (stats.h). With smoothing off
+// μ = 0; with balancing off λ = 1.
 KvStats ComputeStats(const float* k, const float* v, const LayerShape& shape, const TransformOptions& transforms);
 
-// Packs float K and V ([N, H, d], after QK-norm and RoPE) into `kv` (KvBytes bytes).
+// Packs float K and V ([N, H, d], after QK-norm and RoPE) into `kv` (PlanKvLayout(shape,
+// ranges).total_bytes): page table, offsets, stats and pages, as ProjectKv would from the same rows.
 Error PackKv(const float* k, const float* v, const LayerShape& shape, const std::vector<TokenRange>& ranges,
              const KvStats& stats, const TransformOptions& transforms, uint8_t* kv, const CpuOptions& options);
 
-// Queries for AttendFloat: q is [n_q, H, d], un-transformed (λ and R are applied inside).
+// Queries for AttendFloat: q is [n_q, H, d], un-transformed: λ and R are applied inside and the
+// result rounded to bf16, exactly as the layer does (epilogue.h ToStoredQ).
 struct QueryBlock {
   const float* q = nullptr;
   int64_t n_q = 0;
@@ -72,12 +96,14 @@ struct QueryBlock {
   const int64_t* positions = nullptr;  // [n_q] token positions for causal masking; null: 0..n_q−1
 };
 
-// Attention of float queries over a packed entry; out is [n_q, H, d] float.
+// Attention of float queries over a packed entry; out is [n_q, H, d] float (acc/ℓ, Rᵀ, + μ_v, not
+// rounded). Key token index j is page.token_begin + slot; a query sees key j when the sequence ids
+// match and, with attention.causal, j ≤ its position. A query that sees no key gets zeros.
 Error AttendFloat(const KvEntryView& kv, const QueryBlock& queries, const AttentionOptions& attention,
                   float* out, const CpuOptions& options);
 
 // FP64 attention over unquantized K and V ([n_k, H, d]) — the accuracy reference. key_seq_ids may be
-// null (all 0). out is [n_q, H, d].
+// null (all 0). out is [n_q, H, d]. No transforms, no rounding; masks as in AttendFloat.
 void ReferenceAttention(const QueryBlock& queries, const float* k, const float* v, const int32_t* key_seq_ids,
                         int64_t n_k, int n_heads, int head_dim, const AttentionOptions& attention, double* out);
 

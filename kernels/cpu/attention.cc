@@ -1,0 +1,151 @@
+#include "kernels/cpu/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kernels/cpu/epilogue.h"
+#include "kernels/cpu/layer.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/format.h"
+#include "kernels/rotation.h"
+
+namespace kvpack::cpu {
+namespace {
+
+float Dot(const float* a, const float* b, int n) {
+  constexpr int kLanes = 8;
+  float s[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < n; i += kLanes) {  // d is a power of two ≥ 16
+    for (int l = 0; l < kLanes; ++l) s[l] += a[i + l] * b[i + l];
+  }
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+bool Visible(const PageDesc& page, int slot, int32_t seq_id, int64_t position, bool causal) {
+  return slot < page.n_valid && page.seq_id == seq_id && (!causal || page.token_begin + slot <= position);
+}
+
+}  // namespace
+
+float EffectiveScale(const AttentionOptions& attention, int head_dim) {
+  return attention.softmax_scale > 0.0f ? attention.softmax_scale : 1.0f / sqrtf(static_cast<float>(head_dim));
+}
+
+void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool causal, float scale, float* out) {
+  // Preconditions: 1 ≤ tile.n ≤ kQueryTile, d ≤ kMaxHeadDimCpu.
+  const int d = kv.head_dim;
+  const int n = tile.n;
+
+  // Prologue: running max, sum and accumulator per query.
+  float m[kQueryTile], l[kQueryTile];
+  float acc[kQueryTile * kMaxHeadDimCpu];  // [n, d]
+  std::fill(m, m + n, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + n, 0.0f);
+  std::fill(acc, acc + n * d, 0.0f);
+  int32_t min_seq = tile.seq_ids[0], max_seq = tile.seq_ids[0];
+  int64_t max_pos = tile.positions[0];
+  for (int i = 1; i < n; ++i) {
+    min_seq = std::min(min_seq, tile.seq_ids[i]);
+    max_seq = std::max(max_seq, tile.seq_ids[i]);
+    max_pos = std::max(max_pos, tile.positions[i]);
+  }
+
+  // Main loop: one page of keys at a time.
+  float k_page[kPageTokens * kMaxHeadDimCpu];  // [64, d] decoded K̂
+  float v_page[kPageTokens * kMaxHeadDimCpu];  // [64, d] decoded V̂
+  float p[kPageTokens];                        // one query's probabilities for the page
+  for (int pg = 0; pg < kv.n_pages; ++pg) {
+    const PageDesc& page = kv.pages[pg];
+    if (page.seq_id < min_seq || page.seq_id > max_seq) continue;
+    if (causal && page.token_begin > max_pos) continue;
+    const PageFormat format = static_cast<PageFormat>(page.format);
+    const int64_t index = static_cast<int64_t>(head) * kv.n_pages + pg;
+    const uint8_t* k_bytes = kv.pool + kv.k_offsets[index];
+    const uint8_t* v_bytes = kv.pool + kv.v_offsets[index];
+    const int valid = page.n_valid;
+    for (int j = 0; j < valid; ++j) DecodePageRow(format, k_bytes, d, j, k_page + j * d);
+    bool v_decoded = false;
+    for (int i = 0; i < n; ++i) {
+      const float* q = tile.q + i * d;
+      float page_max = -std::numeric_limits<float>::infinity();
+      for (int j = 0; j < valid; ++j) {
+        if (Visible(page, j, tile.seq_ids[i], tile.positions[i], causal)) {
+          p[j] = scale * Dot(q, k_page + j * d, d);
+          page_max = std::max(page_max, p[j]);
+        } else {
+          p[j] = -std::numeric_limits<float>::infinity();
+        }
+      }
+      if (page_max == -std::numeric_limits<float>::infinity()) continue;  // nothing visible
+      if (!v_decoded) {
+        for (int j = 0; j < valid; ++j) DecodePageRow(format, v_bytes, d, j, v_page + j * d);
+        v_decoded = true;
+      }
+      const float m_new = std::max(m[i], page_max);
+      const float alpha = expf(m[i] - m_new);  // exp(−inf) = 0 on the first visible page
+      float* a = acc + i * d;
+      float sum = 0.0f;
+      for (int c = 0; c < d; ++c) a[c] *= alpha;
+      for (int j = 0; j < valid; ++j) {
+        if (p[j] == -std::numeric_limits<float>::infinity()) continue;
+        const float e = expf(p[j] - m_new);
+        sum += e;
+        const float* vr = v_page + j * d;
+        for (int c = 0; c < d; ++c) a[c] += e * vr[c];
+      }
+      l[i] = l[i] * alpha + sum;
+      m[i] = m_new;
+    }
+  }
+
+  // Epilogue: normalise, un-rotate, add μ_v back.
+  const float* mu_v = kv.mu_v + static_cast<int64_t>(head) * d;
+  for (int i = 0; i < n; ++i) {
+    float* o = out + i * d;
+    if (l[i] == 0.0f) {
+      std::fill(o, o + d, 0.0f);
+      continue;
+    }
+    const float inv = 1.0f / l[i];
+    for (int c = 0; c < d; ++c) o[c] = acc[i * d + c] * inv;
+    if (kv.rotate) RotateInverse(o, d, kv.seed);
+    for (int c = 0; c < d; ++c) o[c] += mu_v[c];
+  }
+}
+
+Error AttendFloat(const KvEntryView& kv, const QueryBlock& queries, const AttentionOptions& attention,
+                  float* out, const CpuOptions& options) {
+  if (kv.head_dim < kMinHeadDimCpu || kv.head_dim > kMaxHeadDimCpu || !IsPowerOfTwo(kv.head_dim)) {
+    return Unsupported("kv.head_dim = " + std::to_string(kv.head_dim) + " is not supported");
+  }
+  if (queries.n_q < 0 || (queries.n_q > 0 && (queries.q == nullptr || out == nullptr))) {
+    return InvalidArgument("AttendFloat: queries.q and out must be set for n_q > 0");
+  }
+  const int d = kv.head_dim;
+  const int heads = kv.n_heads;
+  const float scale = EffectiveScale(attention, d);
+  const int64_t n_tiles = (queries.n_q + kQueryTile - 1) / kQueryTile;
+  ParallelFor(options.n_threads, n_tiles * heads, [&](int64_t item) {
+    const int64_t first = (item / heads) * kQueryTile;
+    const int h = static_cast<int>(item % heads);
+    const int n = static_cast<int>(std::min<int64_t>(kQueryTile, queries.n_q - first));
+    float q[kQueryTile * kMaxHeadDimCpu];
+    float o[kQueryTile * kMaxHeadDimCpu];
+    int32_t seq[kQueryTile];
+    int64_t pos[kQueryTile];
+    for (int i = 0; i < n; ++i) {
+      const int64_t t = first + i;
+      const float* src = queries.q + (t * heads + h) * d;
+      std::copy(src, src + d, q + i * d);
+      ToStoredQ(q + i * d, d, kv.lambda + static_cast<int64_t>(h) * d, kv.rotate, kv.seed);
+      seq[i] = queries.seq_ids ? queries.seq_ids[t] : 0;
+      pos[i] = queries.positions ? queries.positions[t] : t;
+    }
+    AttendTile(kv, h, QueryTile{q, seq, pos, n}, attention.causal, scale, o);
+    for (int i = 0; i < n; ++i) std::copy(o + i * d, o + (i + 1) * d, out + ((first + i) * heads + h) * d);
+  });
+  return Error::Ok();
+}
+
+}  // namespace kvpack::cpu

@@ -1,0 +1,40 @@
+// Attention of a tile of stored-form queries over one head of a packed entry, on the CPU.
+//
+// Tile: up to kQueryTile queries × one page of kPageTokens keys at a time. For each page the K rows
+// are decoded into a per-call stack buffer [64, d], scores s = scale · q̂·k̂ computed for the tile,
+// masked, and folded into an online softmax (fp32):
+//   m' = max(m, max_j s_j);  α = exp(m − m');  ℓ ← α·ℓ + Σ_j exp(s_j − m');  acc ← α·acc + Σ_j exp(s_j − m')·v̂_j
+// with V rows decoded into a second stack buffer [64, d]. Pages are visited in entry order and slots
+// in order, so a query's result depends only on that query (bit-identical for any tiling or thread
+// count). No dequantized copy of K or V beyond one page per call ever exists.
+//
+// Masks: slot j ≥ n_valid; page.seq_id ≠ the query's sequence id; causal and key token index
+// (page.token_begin + j) > the query's position. A query that sees no key gets zeros.
+// Epilogue per query: o = acc / ℓ, then Rᵀ·o when the entry is rotated, then + μ_v.
+//
+// Dot products q̂·k̂ and the accumulation use the same 8-lane fixed order as projection.h.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/layer_spec.h"
+
+namespace kvpack::cpu {
+
+inline constexpr int kQueryTile = 16;
+
+// A tile of queries already in stored form (λ applied, rotated, bf16-rounded; epilogue.h ToStoredQ).
+struct QueryTile {
+  const float* q = nullptr;           // [n, d], row stride d
+  const int32_t* seq_ids = nullptr;   // [n]
+  const int64_t* positions = nullptr; // [n]
+  int n = 0;                          // 1..kQueryTile
+};
+
+// Softmax scale actually used: attention.softmax_scale, or 1/sqrt(d) when it is 0.
+float EffectiveScale(const AttentionOptions& attention, int head_dim);
+
+// out[i·d + c] = attention output of query i for head `head`, channel c (fp32, final form).
+void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool causal, float scale, float* out);
+
+}  // namespace kvpack::cpu

@@ -1,0 +1,84 @@
+#include "kernels/cpu/pack.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/cpu/epilogue.h"
+#include "kernels/cpu/layer.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/format.h"
+
+namespace kvpack::cpu {
+
+TokenPageMap::TokenPageMap(const std::vector<TokenRange>& ranges) : ranges_(ranges) {
+  first_page_.reserve(ranges.size());
+  int page = 0;
+  for (const TokenRange& r : ranges) {
+    first_page_.push_back(page);
+    page += static_cast<int>((r.end - r.begin + kPageTokens - 1) / kPageTokens);
+  }
+}
+
+int TokenPageMap::RangeOf(int64_t token) const {
+  const auto it = std::upper_bound(ranges_.begin(), ranges_.end(), token,
+                                   [](int64_t t, const TokenRange& r) { return t < r.end; });
+  return static_cast<int>(it - ranges_.begin());
+}
+
+void TokenPageMap::Locate(int64_t token, int* page, int* slot) const {
+  const int r = RangeOf(token);
+  const int64_t offset = token - ranges_[r].begin;
+  *page = first_page_[r] + static_cast<int>(offset / kPageTokens);
+  *slot = static_cast<int>(offset % kPageTokens);
+}
+
+void WriteBlockHeader(const KvLayout& layout, const KvStats& stats, uint8_t* block) {
+  memset(block, 0, layout.pages_offset);
+  WriteKvTables(layout, block + layout.pages_offset);
+  const size_t stats_bytes = stats.mu_k.size() * sizeof(float);
+  memcpy(block + layout.mu_k_offset, stats.mu_k.data(), stats_bytes);
+  memcpy(block + layout.mu_v_offset, stats.mu_v.data(), stats_bytes);
+  memcpy(block + layout.lambda_offset, stats.lambda.data(), stats_bytes);
+}
+
+void PackRow(const KvLayout& layout, const LayerShape& shape, const TransformOptions& transforms,
+             const KvStats& stats, int page, int slot, int head, float* k, float* v, uint8_t* block) {
+  const int d = shape.head_dim;
+  const int64_t n_pages = static_cast<int64_t>(layout.pages.size());
+  const int64_t stat = static_cast<int64_t>(head) * d;
+  const PageFormat format = static_cast<PageFormat>(layout.pages[page].format);
+  ToStoredK(k, d, stats.mu_k.data() + stat, stats.lambda.data() + stat, transforms.rotate, transforms.seed);
+  ToStoredV(v, d, stats.mu_v.data() + stat, transforms.rotate, transforms.seed);
+  EncodePageRow(format, k, d, slot, block + layout.k_offsets[head * n_pages + page]);
+  EncodePageRow(format, v, d, slot, block + layout.v_offsets[head * n_pages + page]);
+}
+
+Error PackKv(const float* k, const float* v, const LayerShape& shape, const std::vector<TokenRange>& ranges,
+             const KvStats& stats, const TransformOptions& transforms, uint8_t* kv, const CpuOptions& options) {
+  if (Error e = ValidateShape(shape, false); !e.ok()) return e;
+  if (Error e = ValidateRanges(shape.n_tokens, ranges); !e.ok()) return e;
+  const size_t hd = static_cast<size_t>(shape.HeadCols());
+  if (stats.mu_k.size() != hd || stats.mu_v.size() != hd || stats.lambda.size() != hd) {
+    return InvalidArgument("stats: mu_k, mu_v and lambda must each have n_heads * head_dim = " +
+                           std::to_string(hd) + " entries");
+  }
+  if (k == nullptr || v == nullptr || kv == nullptr) return InvalidArgument("PackKv: k, v and kv must not be null");
+  const KvLayout layout = PlanKvLayout(shape, ranges);
+  WriteBlockHeader(layout, stats, kv);
+  const TokenPageMap map(ranges);
+  const int d = shape.head_dim;
+  ParallelFor(options.n_threads, shape.n_tokens, [&](int64_t t) {
+    int page, slot;
+    map.Locate(t, &page, &slot);
+    float k_row[kMaxHeadDimCpu], v_row[kMaxHeadDimCpu];
+    for (int h = 0; h < shape.n_heads; ++h) {
+      const int64_t offset = t * static_cast<int64_t>(hd) + static_cast<int64_t>(h) * d;
+      std::copy(k + offset, k + offset + d, k_row);
+      std::copy(v + offset, v + offset + d, v_row);
+      PackRow(layout, shape, transforms, stats, page, slot, h, k_row, v_row, kv);
+    }
+  });
+  return Error::Ok();
+}
+
+}  // namespace kvpack::cpu

@@ -1,0 +1,39 @@
+// Writing a packed K/V block (KvLayout in layer_spec.h) on the host: where a token's row goes, the
+// block's tables and statistics, and PackKv on float tensors.
+//
+// A block is self-contained once WriteBlockHeader has run and every token's K and V rows are
+// encoded: MakeKvView over it gives the attention everything (pages, offsets, μ_k, μ_v, λ).
+// Invalid slots of a partial page stay zero (format.h): the page region is cleared first.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/layer_spec.h"
+
+namespace kvpack::cpu {
+
+// Maps a token to its page and slot: pages of range r start at first_page[r] (BuildPageLayout
+// order). O(log ranges) per lookup; no allocation after construction (O(ranges) at construction).
+class TokenPageMap {
+ public:
+  explicit TokenPageMap(const std::vector<TokenRange>& ranges);
+  // Index of the range holding `token`. REQUIRES: 0 ≤ token < N.
+  int RangeOf(int64_t token) const;
+  void Locate(int64_t token, int* page, int* slot) const;
+
+ private:
+  const std::vector<TokenRange>& ranges_;
+  std::vector<int> first_page_;
+};
+
+// Clears the page region, writes the page table and offsets (WriteKvTables) and the statistics at
+// their KvLayout offsets. REQUIRES: each stats vector has H·d entries.
+void WriteBlockHeader(const KvLayout& layout, const KvStats& stats, uint8_t* block);
+
+// Encodes the stored forms of K and V of (token, head) into their pages. k and v are the epilogued
+// rows (d floats each, after QK-norm and RoPE); they are used as scratch and clobbered.
+void PackRow(const KvLayout& layout, const LayerShape& shape, const TransformOptions& transforms,
+             const KvStats& stats, int page, int slot, int head, float* k, float* v, uint8_t* block);
+
+}  // namespace kvpack::cpu

@@ -1,0 +1,76 @@
+#include "kernels/cpu/stats.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cpu/layer.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/format.h"
+
+namespace kvpack::cpu {
+
+int64_t StatsSampleCount(int64_t n_tokens, const TransformOptions& transforms) {
+  return std::min<int64_t>(n_tokens, std::max(transforms.stats_sample_tokens, 1));
+}
+
+KvStats StatsFromSample(int64_t n_sample, const LayerShape& shape, const TransformOptions& transforms,
+                        const SampleRowFn& row, int n_threads) {
+  const int d = shape.head_dim;
+  const int64_t hd = shape.HeadCols();
+  KvStats stats;
+  stats.mu_k.assign(hd, 0.0f);
+  stats.mu_v.assign(hd, 0.0f);
+  stats.lambda.assign(hd, 1.0f);
+  if (!transforms.smooth && !transforms.balance) return stats;
+
+  ParallelFor(n_threads, shape.n_heads, [&](int64_t h) {
+    float k[kMaxHeadDimCpu], v[kMaxHeadDimCpu];
+    double sum_k[kMaxHeadDimCpu] = {}, sum_v[kMaxHeadDimCpu] = {}, range[kMaxHeadDimCpu] = {};
+    float* mu_k = stats.mu_k.data() + h * d;
+    float* mu_v = stats.mu_v.data() + h * d;
+    if (transforms.smooth) {
+      for (int64_t i = 0; i < n_sample; ++i) {
+        row(i, static_cast<int>(h), k, v);
+        for (int c = 0; c < d; ++c) sum_k[c] += k[c], sum_v[c] += v[c];
+      }
+      for (int c = 0; c < d; ++c) {
+        mu_k[c] = static_cast<float>(sum_k[c] / static_cast<double>(n_sample));
+        mu_v[c] = static_cast<float>(sum_v[c] / static_cast<double>(n_sample));
+      }
+    }
+    if (!transforms.balance) return;
+    for (int64_t i = 0; i < n_sample; ++i) {
+      row(i, static_cast<int>(h), k, v);
+      for (int c = 0; c < d; ++c) range[c] = std::max(range[c], std::fabs(static_cast<double>(k[c]) - mu_k[c]));
+    }
+    double widest = 0.0;
+    for (int c = 0; c < d; ++c) widest = std::max(widest, range[c]);
+    if (!(widest > 0.0) || !std::isfinite(widest)) return;  // λ stays 1
+    double log_sum = 0.0;
+    for (int c = 0; c < d; ++c) {
+      range[c] = std::sqrt(std::max(range[c], kLambdaFloor * widest));
+      log_sum += std::log(range[c]);
+    }
+    const double geo_mean = std::exp(log_sum / d);
+    float* lambda = stats.lambda.data() + h * d;
+    for (int c = 0; c < d; ++c) lambda[c] = static_cast<float>(range[c] / geo_mean);
+  });
+  return stats;
+}
+
+KvStats ComputeStats(const float* k, const float* v, const LayerShape& shape, const TransformOptions& transforms) {
+  const int64_t n = shape.n_tokens;
+  const int64_t s = StatsSampleCount(n, transforms);
+  const int d = shape.head_dim;
+  const int64_t hd = shape.HeadCols();
+  return StatsFromSample(
+      s, shape, transforms,
+      [&](int64_t i, int h, float* k_row, float* v_row) {
+        const int64_t offset = StatsSampleToken(i, n, s) * hd + static_cast<int64_t>(h) * d;
+        std::copy(k + offset, k + offset + d, k_row);
+        std::copy(v + offset, v + offset + d, v_row);
+      },
+      0);
+}
+
+}  // namespace kvpack::cpu

@@ -1,0 +1,36 @@
+// μ_k, μ_v and λ from a strided sample of tokens (format.h, DESIGN.md §2).
+//
+// Sample: S = min(N, transforms.stats_sample_tokens) tokens t_i = floor(i·N/S), i < S.
+// For each head h and channel c, over the sample (values after bias / QK-norm / RoPE):
+//   μ_k[h,c] = mean k_ic, μ_v[h,c] = mean v_ic           (both 0 when smoothing is off)
+//   m_c      = max_i |k_ic − μ_k[h,c]|
+//   λ'_c     = sqrt(max(m_c, kLambdaFloor · max_c' m_c'))  (λ' = 1 for the head if all m are 0)
+//   λ[h,c]   = λ'_c / exp(mean_c log λ'_c)               (geometric mean 1 per head; 1 when off)
+// Sums and maxima in double, in increasing i, one head at a time (bit-identical for any thread
+// count); results rounded to float once.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "kernels/layer_spec.h"
+
+namespace kvpack::cpu {
+
+// A channel whose sample range is below this fraction of its head's widest channel is balanced as
+// if it were that wide: 1e-6 keeps λ within a factor 1000 of the head's widest channel.
+inline constexpr double kLambdaFloor = 1e-6;
+
+// Number of sampled tokens S and the token of sample i.
+int64_t StatsSampleCount(int64_t n_tokens, const TransformOptions& transforms);
+inline int64_t StatsSampleToken(int64_t i, int64_t n_tokens, int64_t n_sample) { return i * n_tokens / n_sample; }
+
+// Fills k_row and v_row (head_dim floats each) with sample i of head h.
+using SampleRowFn = std::function<void(int64_t i, int head, float* k_row, float* v_row)>;
+
+// Statistics of n_sample rows delivered by `row`, which may be called several times for the same
+// (i, head) and must return the same values each time. Runs heads in parallel.
+KvStats StatsFromSample(int64_t n_sample, const LayerShape& shape, const TransformOptions& transforms,
+                        const SampleRowFn& row, int n_threads);
+
+}  // namespace kvpack::cpu

@@ -1,0 +1,209 @@
+#include "kernels/cpu/attention.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kernels/cpu/layer.h"
+#include "kernels/cpu/quality.h"
+#include "kernels/cpu/stats.h"
+#include "kernels/rotation.h"
+
+namespace kvpack::cpu {
+namespace {
+
+// AttendFloat with all transforms vs the FP64 reference (synthetic structured K/V, 10× outliers).
+constexpr double kRelL2Int4 = 0.06;
+constexpr double kRelL2Int8 = 4e-3;
+constexpr double kRelL2Bf16 = 2e-3;
+// A bf16 pipeline (Q, K, V rounded to bf16: 2^-9 relative each) against FP64, with or without the
+// transforms; the two pipelines then differ by at most the sum of their errors.
+constexpr double kBf16PipelineRelL2 = 5e-3;
+// The transforms in double precision: exact up to FP64 rounding.
+constexpr double kFp64Exactness = 1e-10;
+
+struct Problem {
+  SyntheticData data;
+  int64_t n_q, n_k;
+  int heads, d;
+};
+
+Problem MakeProblem(int64_t n_q, int64_t n_k, int heads, int d, uint64_t seed) {
+  SyntheticOptions o;
+  o.n_q = n_q;
+  o.n_k = n_k;
+  o.n_heads = heads;
+  o.head_dim = d;
+  o.outlier_scale = 10.0;
+  o.seed = seed;
+  return {MakeSyntheticData(o), n_q, n_k, heads, d};
+}
+
+std::vector<double> Reference(const Problem& p, const QueryBlock& queries, const int32_t* key_seq,
+                              const AttentionOptions& attention) {
+  std::vector<double> out(static_cast<size_t>(queries.n_q) * p.heads * p.d);
+  ReferenceAttention(queries, p.data.k.data(), p.data.v.data(), key_seq, p.n_k, p.heads, p.d, attention, out.data());
+  return out;
+}
+
+// Packs p's K/V with `ranges`, attends `queries`.
+std::vector<float> Attend(const Problem& p, const std::vector<TokenRange>& ranges, const TransformOptions& transforms,
+                          const QueryBlock& queries, const AttentionOptions& attention, int threads) {
+  const LayerShape shape{p.n_k, p.heads * p.d, p.heads, p.d};
+  const KvLayout layout = PlanKvLayout(shape, ranges);
+  std::vector<uint8_t> block(layout.total_bytes);
+  const KvStats stats = ComputeStats(p.data.k.data(), p.data.v.data(), shape, transforms);
+  EXPECT_TRUE(PackKv(p.data.k.data(), p.data.v.data(), shape, ranges, stats, transforms, block.data(), CpuOptions{threads}).ok());
+  std::vector<float> out(static_cast<size_t>(queries.n_q) * p.heads * p.d);
+  EXPECT_TRUE(AttendFloat(MakeKvView(layout, shape, block.data(), transforms), queries, attention, out.data(),
+                          CpuOptions{threads}).ok());
+  return out;
+}
+
+QueryBlock AllQueries(const Problem& p) {
+  QueryBlock q;
+  q.q = p.data.q.data();
+  q.n_q = p.n_q;
+  return q;
+}
+
+TEST(Attention, MatchesFp64ReferenceForEachFormat) {
+  const Problem p = MakeProblem(45, 397, 2, 64, 17);
+  const QueryBlock queries = AllQueries(p);
+  const std::vector<double> ref = Reference(p, queries, nullptr, {});
+  for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8, PageFormat::kBf16}) {
+    const std::vector<float> out = Attend(p, {{0, p.n_k, 0, f}}, TransformOptions{}, queries, {}, 2);
+    const QualityResult r = CompareOutputs(ref.data(), out.data(), p.n_q, p.heads, p.d);
+    const double tol = f == PageFormat::kInt4 ? kRelL2Int4 : f == PageFormat::kInt8 ? kRelL2Int8 : kRelL2Bf16;
+    EXPECT_LT(r.rel_l2, tol) << "format " << int(f);
+  }
+}
+
+TEST(Attention, TransformsChangeNothingOnBf16Pages) {
+  const Problem p = MakeProblem(40, 300, 3, 32, 18);
+  const QueryBlock queries = AllQueries(p);
+  TransformOptions off;
+  off.rotate = off.smooth = off.balance = false;
+  const std::vector<float> plain = Attend(p, {{0, p.n_k, 0, PageFormat::kBf16}}, off, queries, {}, 2);
+  const std::vector<float> full = Attend(p, {{0, p.n_k, 0, PageFormat::kBf16}}, TransformOptions{}, queries, {}, 2);
+  const std::vector<double> ref = Reference(p, queries, nullptr, {});
+  const double plain_err = CompareOutputs(ref.data(), plain.data(), p.n_q, p.heads, p.d).rel_l2;
+  const double full_err = CompareOutputs(ref.data(), full.data(), p.n_q, p.heads, p.d).rel_l2;
+  EXPECT_LT(plain_err, kBf16PipelineRelL2);
+  EXPECT_LT(full_err, kBf16PipelineRelL2);
+  std::vector<double> plain_d(plain.begin(), plain.end());
+  EXPECT_LT(CompareOutputs(plain_d.data(), full.data(), p.n_q, p.heads, p.d).rel_l2, 2 * kBf16PipelineRelL2);
+}
+
+// R as a dense double matrix: R[i][j] = H[i][j] · s_j / √d.
+std::vector<double> RotationMatrix(int d, uint64_t seed) {
+  std::vector<double> r(static_cast<size_t>(d) * d);
+  for (int i = 0; i < d; ++i) {
+    for (int j = 0; j < d; ++j) {
+      const int parity = __builtin_popcount(static_cast<unsigned>(i & j)) & 1;
+      r[i * d + j] = (parity ? -1.0 : 1.0) * RotationSign(seed, j) / std::sqrt(double(d));
+    }
+  }
+  return r;
+}
+
+TEST(Attention, SmoothingBalancingAndRotationAreExactInFp64) {
+  const Problem p = MakeProblem(20, 150, 2, 32, 19);
+  const int d = p.d, H = p.heads;
+  const LayerShape shape{p.n_k, H * d, H, d};
+  const TransformOptions transforms;
+  const KvStats s = ComputeStats(p.data.k.data(), p.data.v.data(), shape, transforms);
+  const std::vector<double> r = RotationMatrix(d, transforms.seed);
+  const double scale = 1.0 / std::sqrt(double(d));
+  auto rotate = [&](const std::vector<double>& x) {
+    std::vector<double> y(d, 0.0);
+    for (int i = 0; i < d; ++i) {
+      for (int j = 0; j < d; ++j) y[i] += r[i * d + j] * x[j];
+    }
+    return y;
+  };
+  const std::vector<double> ref = Reference(p, AllQueries(p), nullptr, {});
+  for (int64_t t = 0; t < p.n_q; ++t) {
+    for (int h = 0; h < H; ++h) {
+      std::vector<double> q(d);
+      for (int c = 0; c < d; ++c) q[c] = p.data.q[(t * H + h) * d + c] * double(s.lambda[h * d + c]);
+      q = rotate(q);
+      std::vector<double> scores(p.n_k), acc(d, 0.0);
+      double best = -1e300, sum = 0.0;
+      for (int64_t j = 0; j < p.n_k; ++j) {
+        std::vector<double> k(d);
+        for (int c = 0; c < d; ++c) k[c] = (p.data.k[(j * H + h) * d + c] - double(s.mu_k[h * d + c])) / s.lambda[h * d + c];
+        k = rotate(k);
+        double dot = 0.0;
+        for (int c = 0; c < d; ++c) dot += q[c] * k[c];
+        scores[j] = dot * scale;
+        best = std::max(best, scores[j]);
+      }
+      for (int64_t j = 0; j < p.n_k; ++j) {
+        std::vector<double> v(d);
+        for (int c = 0; c < d; ++c) v[c] = p.data.v[(j * H + h) * d + c] - double(s.mu_v[h * d + c]);
+        v = rotate(v);
+        const double e = std::exp(scores[j] - best);
+        sum += e;
+        for (int c = 0; c < d; ++c) acc[c] += e * v[c];
+      }
+      for (int i = 0; i < d; ++i) {  // o = Rᵀ·(acc/ℓ) + μ_v
+        double o = 0.0;
+        for (int j = 0; j < d; ++j) o += r[j * d + i] * acc[j] / sum;
+        o += s.mu_v[h * d + i];
+        const double expected = ref[(t * H + h) * d + i];
+        ASSERT_NEAR(o, expected, kFp64Exactness * (1.0 + std::fabs(expected))) << "t " << t << " h " << h << " c " << i;
+      }
+    }
+  }
+}
+
+TEST(Attention, SequenceIdsAndCausalMaskLikeTheReference) {
+  const Problem p = MakeProblem(300, 300, 2, 32, 20);
+  const std::vector<TokenRange> ranges = {{0, 100, 4, PageFormat::kBf16}, {100, 170, 9, PageFormat::kBf16},
+                                          {170, 300, 4, PageFormat::kBf16}};
+  std::vector<int32_t> seq(300);
+  std::vector<int64_t> pos(300);
+  for (const TokenRange& r : ranges) {
+    for (int64_t t = r.begin; t < r.end; ++t) seq[t] = r.seq_id, pos[t] = t;
+  }
+  QueryBlock queries = AllQueries(p);
+  queries.seq_ids = seq.data();
+  queries.positions = pos.data();
+  for (bool causal : {false, true}) {
+    AttentionOptions attention;
+    attention.causal = causal;
+    const std::vector<double> ref = Reference(p, queries, seq.data(), attention);
+    const std::vector<float> out = Attend(p, ranges, TransformOptions{}, queries, attention, 3);
+    EXPECT_LT(CompareOutputs(ref.data(), out.data(), p.n_q, p.heads, p.d).rel_l2, kRelL2Bf16) << "causal " << causal;
+  }
+}
+
+TEST(Attention, QueryThatSeesNoKeyGetsZeros) {
+  const Problem p = MakeProblem(3, 100, 1, 16, 21);
+  const int32_t seq[3] = {0, 5, 0};
+  QueryBlock queries = AllQueries(p);
+  queries.seq_ids = seq;
+  const std::vector<float> out = Attend(p, {{0, 100, 0, PageFormat::kInt8}}, TransformOptions{}, queries, {}, 1);
+  for (int c = 0; c < 16; ++c) EXPECT_EQ(out[16 + c], 0.0f);
+  EXPECT_NE(out[0], 0.0f);
+}
+
+TEST(Attention, IsBitIdenticalForAnyThreadCount) {
+  const Problem p = MakeProblem(77, 250, 3, 64, 22);
+  const std::vector<TokenRange> ranges = {{0, 130, 0, PageFormat::kInt4}, {130, 250, 0, PageFormat::kInt8}};
+  const std::vector<float> one = Attend(p, ranges, TransformOptions{}, AllQueries(p), {}, 1);
+  const std::vector<float> four = Attend(p, ranges, TransformOptions{}, AllQueries(p), {}, 4);
+  EXPECT_EQ(one, four);
+}
+
+TEST(Attention, EffectiveScaleDefaultsToInverseSqrtD) {
+  EXPECT_FLOAT_EQ(EffectiveScale({}, 64), 0.125f);
+  AttentionOptions a;
+  a.softmax_scale = 0.3f;
+  EXPECT_EQ(EffectiveScale(a, 64), 0.3f);
+}
+
+}  // namespace
+}  // namespace kvpack::cpu

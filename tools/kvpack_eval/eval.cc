@@ -1,0 +1,238 @@
+#include "tools/kvpack_eval/eval.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+
+#include "kernels/cpu/layer.h"
+#include "kernels/layer_spec.h"
+#include "tools/kvpack_eval/npy.h"
+
+namespace kvpack::tools {
+namespace {
+
+const char* FormatName(PageFormat f) {
+  return f == PageFormat::kInt4 ? "int4" : f == PageFormat::kInt8 ? "int8" : "bf16";
+}
+
+bool ParseInt(const std::string& s, int64_t* v) {
+  if (s.empty()) return false;
+  char* end = nullptr;
+  const long long x = std::strtoll(s.c_str(), &end, 10);
+  if (*end != '\0') return false;
+  *v = x;
+  return true;
+}
+
+bool ParseDouble(const std::string& s, double* v) {
+  if (s.empty()) return false;
+  char* end = nullptr;
+  *v = std::strtod(s.c_str(), &end);
+  return *end == '\0' && std::isfinite(*v);
+}
+
+std::string Number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.9g", v);
+  return buf;
+}
+
+// Checks an [N, H, d] array; sets n, heads, d.
+bool CheckShape(const NpyArray& a, const std::string& name, int64_t* n, int64_t* heads, int64_t* d, std::string* error) {
+  if (a.shape.size() != 3) {
+    *error = name + ": shape has " + std::to_string(a.shape.size()) + " dimensions, expected 3 ([N, H, d])";
+    return false;
+  }
+  *n = a.shape[0], *heads = a.shape[1], *d = a.shape[2];
+  if (*n <= 0 || *heads <= 0 || *d <= 0) {
+    *error = name + ": every dimension of [N, H, d] must be positive";
+    return false;
+  }
+  return true;
+}
+
+bool AllFinite(const std::vector<float>& v) {
+  for (float x : v) {
+    if (!std::isfinite(x)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+const char kEvalUsage[] =
+    "usage: kvpack-eval (--q Q.npy --k K.npy --v V.npy | --synthetic N:H:d[:outlier_scale] [--queries M] [--seed S])\n"
+    "                   [--format int4|int8|bf16] [--no-rotate] [--no-smooth] [--no-balance] [--scale S] [--threads T]\n"
+    "Prints one JSON object: rel_l2 and cosine of packed attention vs FP64 unquantized attention.\n";
+
+bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::string* error) {
+  int64_t queries = -1;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto value = [&](std::string* out) {
+      if (i + 1 >= args.size()) {
+        *error = a + " needs a value";
+        return false;
+      }
+      *out = args[++i];
+      return true;
+    };
+    std::string v;
+    if (a == "--q" || a == "--k" || a == "--v") {
+      if (!value(&v)) return false;
+      (a == "--q" ? o->q_path : a == "--k" ? o->k_path : o->v_path) = v;
+    } else if (a == "--format") {
+      if (!value(&v)) return false;
+      if (v == "int4") o->format = PageFormat::kInt4;
+      else if (v == "int8") o->format = PageFormat::kInt8;
+      else if (v == "bf16") o->format = PageFormat::kBf16;
+      else return *error = "--format " + v + ": expected int4, int8 or bf16", false;
+    } else if (a == "--no-rotate") {
+      o->transforms.rotate = false;
+    } else if (a == "--no-smooth") {
+      o->transforms.smooth = false;
+    } else if (a == "--no-balance") {
+      o->transforms.balance = false;
+    } else if (a == "--scale") {
+      double s;
+      if (!value(&v)) return false;
+      if (!ParseDouble(v, &s) || s <= 0.0) return *error = "--scale " + v + ": expected a positive number", false;
+      o->scale = static_cast<float>(s);
+    } else if (a == "--threads") {
+      int64_t t;
+      if (!value(&v)) return false;
+      if (!ParseInt(v, &t) || t < 0 || t > 1024) return *error = "--threads " + v + ": expected 0..1024", false;
+      o->threads = static_cast<int>(t);
+    } else if (a == "--queries") {
+      if (!value(&v)) return false;
+      if (!ParseInt(v, &queries) || queries <= 0) return *error = "--queries " + v + ": expected a positive count", false;
+    } else if (a == "--seed") {
+      int64_t s;
+      if (!value(&v)) return false;
+      if (!ParseInt(v, &s)) return *error = "--seed " + v + ": expected an integer", false;
+      o->synthetic_options.seed = static_cast<uint64_t>(s);
+    } else if (a == "--synthetic") {
+      if (!value(&v)) return false;
+      std::vector<std::string> parts;
+      std::stringstream ss(v);
+      for (std::string p; std::getline(ss, p, ':');) parts.push_back(p);
+      int64_t n, h, d;
+      double outliers = 20.0;
+      if ((parts.size() != 3 && parts.size() != 4) || !ParseInt(parts[0], &n) || !ParseInt(parts[1], &h) ||
+          !ParseInt(parts[2], &d) || (parts.size() == 4 && !ParseDouble(parts[3], &outliers)) || n <= 0 || h <= 0 ||
+          h > 4096 || d <= 0 || outliers <= 0.0) {
+        *error = "--synthetic " + v + ": expected N:H:d[:outlier_scale] with positive values";
+        return false;
+      }
+      o->synthetic = true;
+      o->synthetic_options.n_k = n;
+      o->synthetic_options.n_heads = static_cast<int>(h);
+      o->synthetic_options.head_dim = static_cast<int>(d);
+      o->synthetic_options.outlier_scale = outliers;
+    } else if (a == "--help" || a == "-h") {
+      *error = "";
+      return false;
+    } else {
+      *error = "unknown argument '" + a + "'";
+      return false;
+    }
+  }
+  if (o->synthetic) {
+    if (!o->q_path.empty() || !o->k_path.empty() || !o->v_path.empty()) {
+      *error = "--synthetic and --q/--k/--v exclude each other";
+      return false;
+    }
+    o->synthetic_options.n_q = queries > 0 ? queries : std::min(o->synthetic_options.n_k, kDefaultSyntheticQueries);
+  } else if (o->q_path.empty() || o->k_path.empty() || o->v_path.empty()) {
+    *error = "give --q, --k and --v (or --synthetic N:H:d)";
+    return false;
+  } else if (queries > 0) {
+    *error = "--queries only applies to --synthetic";
+    return false;
+  }
+  o->synthetic_options.softmax_scale = o->scale;
+  return true;
+}
+
+int RunEval(const EvalOptions& o, std::string* json, std::string* error) {
+  // Inputs: files or synthetic data, all [N, H, d].
+  NpyArray q, k, v;
+  int64_t n_q, n_k, heads, d;
+  if (o.synthetic) {
+    const int64_t sd = o.synthetic_options.head_dim;
+    if (sd < kMinHeadDimCpu || sd > kMaxHeadDimCpu || (sd & (sd - 1)) != 0) {
+      *error = "--synthetic: head_dim " + std::to_string(sd) + " is not supported (a power of two from 16 to 256)";
+      return kExitUsage;
+    }
+    cpu::SyntheticData data = cpu::MakeSyntheticData(o.synthetic_options);
+    n_q = o.synthetic_options.n_q, n_k = o.synthetic_options.n_k;
+    heads = o.synthetic_options.n_heads, d = sd;
+    q.data = std::move(data.q), k.data = std::move(data.k), v.data = std::move(data.v);
+  } else {
+    if (!ReadNpy(o.q_path, &q, error) || !ReadNpy(o.k_path, &k, error) || !ReadNpy(o.v_path, &v, error)) return kExitUsage;
+    int64_t vn, vh, vd, qh, qd;
+    if (!CheckShape(q, o.q_path, &n_q, &qh, &qd, error) || !CheckShape(k, o.k_path, &n_k, &heads, &d, error) ||
+        !CheckShape(v, o.v_path, &vn, &vh, &vd, error)) {
+      return kExitUsage;
+    }
+    if (vn != n_k || vh != heads || vd != d) {
+      *error = "K and V shapes differ: K is [" + std::to_string(n_k) + ", " + std::to_string(heads) + ", " +
+               std::to_string(d) + "], V is [" + std::to_string(vn) + ", " + std::to_string(vh) + ", " +
+               std::to_string(vd) + "]";
+      return kExitUsage;
+    }
+    if (qh != heads || qd != d) {
+      *error = "Q has H = " + std::to_string(qh) + ", d = " + std::to_string(qd) + " but K has H = " +
+               std::to_string(heads) + ", d = " + std::to_string(d);
+      return kExitUsage;
+    }
+    if (!AllFinite(q.data) || !AllFinite(k.data) || !AllFinite(v.data)) {
+      *error = "inputs hold NaN or infinite values";
+      return kExitUsage;
+    }
+  }
+  LayerShape shape{n_k, static_cast<int>(heads * d), static_cast<int>(heads), static_cast<int>(d)};
+  if (heads > INT32_MAX / d) return *error = "H·d is too large", kExitUsage;
+  if (Error e = ValidateShape(shape, false); !e.ok()) return *error = e.message(), kExitUsage;
+
+  // Reference and packed attention.
+  AttentionOptions attention;
+  attention.softmax_scale = o.scale;
+  cpu::QueryBlock queries;
+  queries.q = q.data.data();
+  queries.n_q = n_q;
+  std::vector<double> ref(q.data.size());
+  cpu::ReferenceAttention(queries, k.data.data(), v.data.data(), nullptr, n_k, shape.n_heads, shape.head_dim, attention,
+                          ref.data());
+  std::vector<float> out(q.data.size());
+  double bits = 0.0;
+  const Error e = cpu::AttendPackedFloat(q.data.data(), n_q, k.data.data(), v.data.data(), n_k, shape.n_heads,
+                                         shape.head_dim, o.format, o.transforms, attention, cpu::CpuOptions{o.threads},
+                                         out.data(), &bits);
+  if (!e.ok()) return *error = e.message(), kExitInternal;
+  const cpu::QualityResult r = cpu::CompareOutputs(ref.data(), out.data(), n_q, shape.n_heads, shape.head_dim);
+
+  // One JSON object.
+  std::ostringstream j;
+  j << "{\"format\": \"" << FormatName(o.format) << "\", \"rotate\": " << (o.transforms.rotate ? "true" : "false")
+    << ", \"smooth\": " << (o.transforms.smooth ? "true" : "false")
+    << ", \"balance\": " << (o.transforms.balance ? "true" : "false")
+    << ", \"scale\": " << Number(o.scale > 0.0f ? o.scale : 1.0 / std::sqrt(static_cast<double>(d)))
+    << ", \"n_q\": " << n_q << ", \"n_k\": " << n_k << ", \"n_heads\": " << heads << ", \"head_dim\": " << d;
+  if (o.synthetic) {
+    j << ", \"synthetic\": {\"outlier_scale\": " << Number(o.synthetic_options.outlier_scale)
+      << ", \"seed\": " << o.synthetic_options.seed << "}";
+  }
+  j << ", \"bits_per_value\": " << Number(bits) << ", \"rel_l2\": " << Number(r.rel_l2)
+    << ", \"cosine\": " << Number(r.cosine) << ", \"heads\": [";
+  for (int h = 0; h < shape.n_heads; ++h) {
+    j << (h ? ", " : "") << "{\"rel_l2\": " << Number(r.head_rel_l2[h]) << ", \"cosine\": " << Number(r.head_cosine[h])
+      << "}";
+  }
+  j << "]}";
+  *json = j.str();
+  return kExitOk;
+}
+
+}  // namespace kvpack::tools

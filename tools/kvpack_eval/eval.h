@@ -1,0 +1,46 @@
+// kvpack-eval: the accuracy of packed attention on the caller's Q/K/V (or structured synthetic
+// data) against FP64 unquantized attention, as one JSON object.
+//
+//   kvpack-eval --q Q.npy --k K.npy --v V.npy [--format int4|int8|bf16] [--no-rotate] [--no-smooth]
+//               [--no-balance] [--scale S] [--threads T]
+//   kvpack-eval --synthetic N:H:d[:outlier_scale] [--queries M] [--seed S] [same options]
+//
+// Arrays are float32 C-order .npy of shape [N, H, d]; Q may have another N. Every query sees every
+// key (sequence id 0, not causal). Exit codes: 0 success, 2 bad arguments or input files (message on
+// stderr), 1 an internal failure.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/quality.h"
+
+namespace kvpack::tools {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitInternal = 1;
+inline constexpr int kExitUsage = 2;
+
+struct EvalOptions {
+  std::string q_path, k_path, v_path;
+  bool synthetic = false;
+  cpu::SyntheticOptions synthetic_options;  // n_q defaults to min(N, kDefaultSyntheticQueries)
+  PageFormat format = PageFormat::kInt4;
+  TransformOptions transforms;
+  float scale = 0.0f;  // 0: 1/sqrt(d)
+  int threads = 0;
+};
+
+inline constexpr int64_t kDefaultSyntheticQueries = 256;
+
+// Parses argv. On failure returns false with *error set (exit kExitUsage).
+bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* options, std::string* error);
+
+// Loads or generates the data, evaluates, and writes the JSON object to *json. Returns an exit code;
+// on failure *error says why.
+int RunEval(const EvalOptions& options, std::string* json, std::string* error);
+
+extern const char kEvalUsage[];
+
+}  // namespace kvpack::tools
