@@ -44,7 +44,8 @@ def to_wire_f32(t):
 
 def from_wire_bf16(bits, shape, like):
     """uint16 bf16 bits -> a tensor of `shape` with like's device and dtype."""
-    t = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+    bits = np.require(bits, dtype=np.uint16, requirements=["C", "W"])   # copies read-only buffers
+    t = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
     return t.reshape(shape).to(device=like.device, dtype=like.dtype)
 
 

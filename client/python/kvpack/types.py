@@ -71,3 +71,12 @@ class LayerOutput:
     result: the daemon's kvpack.v1.LayerResult (plan, peak bytes, stage seconds, kv_handle)."""
     output: Optional[object]
     result: object
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionSlice:
+    """Bytes [offset, offset + size_bytes) of a registered region, in place of an inline tensor
+    (or as the output destination)."""
+    region_id: str
+    offset: int
+    size_bytes: int
