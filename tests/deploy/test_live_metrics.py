@@ -5,6 +5,7 @@ kvpack.testing.find_kvpackd) and skips otherwise. The daemon runs on the CPU bac
 """
 
 import json
+import re
 import sys
 
 import pytest
@@ -67,3 +68,43 @@ def test_dashboard_and_rules_read_only_exported_or_labelled_families(scrape):
                 continue
             assert fam.labels or fam.name == "kvpack_gpu_memory_bytes", \
                 f"{name} is queried but a running daemon does not export it"
+
+
+def test_label_values_after_traffic():
+    """After a few layers, every exported sample's labels are documented, with documented values
+    where docs/metrics.md lists them (state, format, kind, stage, backend)."""
+    import numpy as np
+    import kvpack
+    from kvpack import tensors
+    from kvpack.types import Range
+
+    fams = mc.families()
+    with testing.LocalDaemon() as d, kvpack.Client(d.target, timeout=60) as c:
+        r = np.random.default_rng(2)
+        x = tensors.to_bf16_bits(r.standard_normal((150, 64)))
+        w = c.register_weights(tensors.to_bf16_bits(r.standard_normal((192, 64)) / 8),
+                               n_heads=2, head_dim=32)
+        for fmt in ("int4", "int8", "bf16"):
+            c.attention_layer(x, w, n_heads=2, head_dim=32, ranges=[Range(0, 150, 0, (fmt,))])
+        kept = c.project(x, w, n_heads=2, head_dim=32, ranges=[Range(0, 150)])
+        with pytest.raises(kvpack.NotFound):
+            c.release_kv("kv-0")
+        text = d.scrape()
+        c.release_kv(kept.result.kv_handle)
+    bad = []
+    for line in text.splitlines():
+        if not line.startswith("kvpack_"):
+            continue
+        name = re.match(r"[a-z_0-9]+", line).group(0)
+        fam, suffix = mc.resolve(name, fams)
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+        for label, value in labels.items():
+            if label == "le" and suffix == "_bucket":
+                continue
+            if label not in fam.labels:
+                bad.append(f"{line}: label {label} undocumented")
+            elif fam.labels[label] and value not in fam.labels[label]:
+                bad.append(f"{line}: {label}={value} not in {sorted(fam.labels[label])}")
+    assert not bad, "\n".join(bad)
+    assert re.search(r'kvpack_requests_total\{[^}]*code="NOT_FOUND"', text)
+    assert re.search(r'kvpack_tokens_total\{format="int8"\} 150', text)
