@@ -7,8 +7,9 @@
                rope=kvpack.Rope(axis_dims=(16, 56, 56)))
     out = attn(x, positions)        # [B, N, H·d], what `attn(rope(norm(split(qkv(x)))))` gave
 
-Tensors travel inline (bf16 bits, 1 MiB chunks); sending CUDA tensors by CUDA IPC when they sit
-on the daemon's GPU is a later step. A batch of B is packed as B sequences of one request
+Tensors travel inline (bf16 bits, 1 MiB chunks), or through shared memory with
+`arena=kvpack.shm.SharedArena(client)` (same host; share one arena between modules); sending CUDA
+tensors by CUDA IPC when they sit on the daemon's GPU is a later step. A batch of B is packed as B sequences of one request
 (block-diagonal attention), so no padding is sent.
 
 `QkvAttention` is the other entry point: attention over q, k, v already projected (what the
@@ -125,7 +126,8 @@ class KvpackSelfAttention(torch.nn.Module):
 
     def __init__(self, client, w_qkv, heads, head_dim, *, bias=None, q_norm=None, k_norm=None,
                  eps=1e-6, rope=None, causal=False, softmax_scale=0.0,
-                 formats=("int8", "int4"), priority=0, timeout=None, fallback=True):
+                 formats=("int8", "int4"), priority=0, timeout=None, fallback=True,
+                 arena=None):
         super().__init__()
         if w_qkv.shape[0] != 3 * heads * head_dim:
             raise ValueError(f"w_qkv has {w_qkv.shape[0]} rows, want 3·{heads}·{head_dim}")
@@ -137,6 +139,7 @@ class KvpackSelfAttention(torch.nn.Module):
         self.rope, self.causal, self.softmax_scale = rope, causal, softmax_scale
         self.formats, self.priority, self.timeout = tuple(formats), priority, timeout
         self.fallback = fallback
+        self.arena = arena
         self.last_result = None
         self._handle = None
         self._handle_key = None
@@ -172,13 +175,14 @@ class KvpackSelfAttention(torch.nn.Module):
                                            qk_norm_eps=self.eps if self.q_norm is not None else None),
                       priority=self.priority, timeout=self.timeout)
         xw = to_wire_bf16(x2)
+        run = self.arena.attention_layer if self.arena else self.client.attention_layer
         try:
-            res = self.client.attention_layer(xw, self.weights_handle(), **kwargs)
+            res = run(xw, self.weights_handle(), **kwargs)
         except KvpackError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:
                 raise
             # The weights' lease ran out (or the daemon restarted): register once more.
-            res = self.client.attention_layer(xw, self.weights_handle(refresh=True), **kwargs)
+            res = run(xw, self.weights_handle(refresh=True), **kwargs)
         self.last_result = res.result
         return from_wire_bf16(res.output, (x2.shape[0], self.heads * self.head_dim), x2)
 
@@ -211,8 +215,10 @@ class QkvAttention:
     [q | k | v] per token and the registered weight the identity, so the daemon's projection hands
     q, k, v through. One identity weight per width is registered and kept."""
 
-    def __init__(self, client, *, formats=("int8", "int4"), priority=0, timeout=None):
+    def __init__(self, client, *, formats=("int8", "int4"), priority=0, timeout=None,
+                 arena=None):
         self.client = client
+        self.arena = arena
         self.formats, self.priority, self.timeout = tuple(formats), priority, timeout
         self._handles = {}
         self._lock = threading.Lock()
@@ -235,11 +241,12 @@ class QkvAttention:
         ranges = pack_batch([Range(0, n, 0, self.formats)], b, n)
         kwargs = dict(n_heads=h, head_dim=d, ranges=ranges, priority=self.priority,
                       timeout=self.timeout)
+        run = self.arena.attention_layer if self.arena else self.client.attention_layer
         try:
-            res = self.client.attention_layer(xw, self._identity(h, d), **kwargs)
+            res = run(xw, self._identity(h, d), **kwargs)
         except KvpackError as e:
             if e.code != grpc.StatusCode.NOT_FOUND:
                 raise
-            res = self.client.attention_layer(xw, self._identity(h, d, refresh=True), **kwargs)
+            res = run(xw, self._identity(h, d, refresh=True), **kwargs)
         self.last_result = res.result
         return from_wire_bf16(res.output, (b, n, h, d), q)

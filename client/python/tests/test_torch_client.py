@@ -10,6 +10,7 @@ import kvpack.torch as kt  # noqa: E402
 from fake_daemon import FakeDaemon  # noqa: E402
 from kvpack import testing  # noqa: E402
 from kvpack.comfy import AttentionOverride  # noqa: E402
+from kvpack.shm import SharedArena  # noqa: E402
 from kvpack.types import Rope  # noqa: E402
 
 # int8 K/V and a bf16 output on Gaussian data: relative L2 error about 0.01 (see test_daemon.py).
@@ -33,15 +34,17 @@ def client(request):
         yield c
 
 
-def test_module_matches_local(client):
+@pytest.mark.parametrize("transport", ["inline", "shm"])
+def test_module_matches_local(client, transport):
     g = torch.Generator().manual_seed(8)
     lin = torch.nn.Linear(80, 3 * 2 * 64)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / 80 ** 0.5)
     qn, kn = torch.rand(64, generator=g) + 0.5, torch.rand(64, generator=g) + 0.5
     rope = Rope(axis_dims=(32, 32), layout="interleaved")
+    arena = SharedArena(client) if transport == "shm" else None
     attn = kt.KvpackSelfAttention.from_linear(client, lin, 2, q_norm=qn, k_norm=kn, rope=rope,
-                                              fallback=False)
+                                              fallback=False, arena=arena)
     x = torch.randn(2, 70, 80, generator=g)
     pos = torch.rand(70, 2, generator=g) * 30
     out = attn(x, pos)
@@ -50,6 +53,9 @@ def test_module_matches_local(client):
                               positions=pos, rope=rope).detach()
         assert rel_l2(out[b].detach(), want) < REL_L2
     assert attn.last_result.peak_bytes > 0
+    if arena:
+        assert arena.region_id
+        arena.close()
 
 
 def test_comfy_hook_through_the_daemon(client):
