@@ -6,18 +6,25 @@
 
 Input, either of:
 
-* Markdown (bench/RESULTS.md, as the CUDA benchmark writes it): every pipe table whose header has
-  the columns `impl`, `format`, `tokens` and one peak column contributes its rows; other tables
-  and columns are ignored. Header names are matched case-insensitively; the peak column is
-  `peak_bytes` (bytes) or `peak_gib` / `peak (GiB)` (GiB). Cells may use `_` or `,` as digit
-  separators and may be wrapped in backticks.
-* JSON: a list of rows, or {"rows": [...]}, each {"impl", "format", "tokens", "peak_bytes"}.
+* Markdown (bench/RESULTS.md, as the CUDA benchmark writes it): every pipe table with an `impl`
+  column, a token count and a peak column contributes its rows; other tables and columns are
+  ignored. Header names are matched case-insensitively.
+  - tokens: a `tokens` column, or a `shape` column such as `N=152263 56×128` (N tokens, then
+    heads×head_dim, which is kept as the row's shape);
+  - format: a `format` column, or the words after the first in `impl` (`kvpack int4 in place` is
+    impl `kvpack`, format `int4 in place`; `torch cudnn` is impl `pytorch-cudnn`);
+  - peak: `peak_bytes` (bytes) or `peak_gib` / `peak GiB` (GiB).
+  Cells may use `_` or `,` as digit separators and may be wrapped in backticks. RESULTS.md lists
+  the newest run first: of rows with the same impl, format, shape and tokens the first is kept.
+* JSON: a list of rows, or {"rows": [...]}, each {"impl", "format", "tokens", "peak_bytes"} and
+  optionally "shape".
 
-`impl` names the implementation: `pytorch-cudnn`, `pytorch-fa2`, `pytorch-efficient`, `kvpack`
-(others are plotted under their own name). `format` is the K/V format of kvpack rows (`int4`,
-`int8`, `bf16`, or a mix such as `int4+bf16`); PyTorch rows give `bf16` or `-`. A peak that is not
-a number (`OOM`, `crash`, `-`) marks a size the implementation failed at: it is drawn as a cross
-on the top edge of the plot. One line per (impl, format); points are sorted by tokens.
+`impl` names the implementation: `pytorch-cudnn`, `pytorch-fa2` (`torch flash`),
+`pytorch-efficient`, `kvpack` (others are plotted under their own name). `format` is the K/V format
+of kvpack rows (`int4`, `int8`, `bf16`, `int4 in place`, ...); PyTorch rows give `bf16` or `-`. A
+peak that is not a number (`OOM`, `crash`, `-`) marks a size the implementation failed at: it is
+drawn as a cross on the top edge of the plot. One line per (impl, format); points are sorted by
+tokens. Rows of several shapes: only one is plotted, `--shape` or else the most frequent.
 """
 
 import argparse
@@ -52,8 +59,31 @@ def _norm(header):
     return re.sub(r"[^a-z0-9]+", "_", header.strip().strip("`").lower()).strip("_")
 
 
+TORCH_BACKENDS = {"cudnn": "pytorch-cudnn", "flash": "pytorch-fa2", "fa2": "pytorch-fa2",
+                  "efficient": "pytorch-efficient", "mem_efficient": "pytorch-efficient"}
+
+
+def _split_impl(impl, fmt):
+    """(impl, format) from an impl cell that may carry the format or backend after a space."""
+    words = impl.split()
+    if fmt is not None or len(words) < 2:
+        return impl, fmt if fmt is not None else "-"
+    head, rest = words[0].lower(), " ".join(words[1:])
+    if head in ("torch", "pytorch"):
+        return TORCH_BACKENDS.get(rest.lower(), f"pytorch-{rest.lower()}"), "bf16"
+    return words[0], rest
+
+
+def _shape_tokens(cell):
+    """'N=152263 56×128' -> (152263, '56x128')."""
+    m = re.search(r"N\s*=\s*([\d_,]+)", cell)
+    tokens = _number(m.group(1)) if m else None
+    shape = re.sub(r"N\s*=\s*[\d_,]+", "", cell).strip().replace("×", "x") or "-"
+    return tokens, shape
+
+
 def parse_markdown(text):
-    rows, header = [], None
+    rows, header, seen = [], None, set()
     for line in text.splitlines() + [""]:
         line = line.strip()
         if not line.startswith("|"):
@@ -65,15 +95,24 @@ def parse_markdown(text):
             continue
         if all(re.fullmatch(r":?-{2,}:?", c) for c in cells):
             continue
-        rec = dict(zip(header, cells))
+        rec = {k: v.strip("`") for k, v in zip(header, cells)}
         peak_key = next((k for k in ("peak_bytes", "peak_gib") if k in rec), None)
-        if not {"impl", "format", "tokens"} <= rec.keys() or peak_key is None:
+        if "impl" not in rec or peak_key is None or not ({"tokens", "shape"} & rec.keys()):
             continue
         peak = _number(rec[peak_key])
         if peak is not None and peak_key == "peak_gib":
             peak *= GIB
-        rows.append({"impl": rec["impl"].strip("`"), "format": rec["format"].strip("`"),
-                     "tokens": _number(rec["tokens"]), "peak_bytes": peak})
+        if "tokens" in rec:
+            tokens, shape = _number(rec["tokens"]), rec.get("shape", "-")
+        else:
+            tokens, shape = _shape_tokens(rec["shape"])
+        impl, fmt = _split_impl(rec["impl"], rec.get("format"))
+        key = (impl, fmt, shape, tokens)
+        if key in seen:
+            continue            # an older run of the same configuration
+        seen.add(key)
+        rows.append({"impl": impl, "format": fmt, "tokens": tokens, "peak_bytes": peak,
+                     "shape": shape})
     return rows
 
 
@@ -91,8 +130,20 @@ def parse_json(text):
         peak = r["peak_bytes"]
         rows.append({"impl": str(r["impl"]), "format": str(r["format"]),
                      "tokens": _number(str(r["tokens"])),
-                     "peak_bytes": peak if isinstance(peak, (int, float)) else _number(str(peak))})
+                     "peak_bytes": peak if isinstance(peak, (int, float)) else _number(str(peak)),
+                     "shape": str(r.get("shape", "-"))})
     return rows
+
+
+def select_shape(rows, shape=None):
+    """The rows of one shape: `shape` (e.g. '56x128'), or the most frequent one."""
+    shapes = [r["shape"] for r in rows]
+    if shape is None:
+        shape = max(sorted(set(shapes)), key=shapes.count)
+    picked = [r for r in rows if r["shape"] == shape.replace("×", "x")]
+    if not picked:
+        raise InputError(f"no rows of shape {shape}; shapes: {sorted(set(shapes))}")
+    return picked, shape
 
 
 def load(path):
@@ -113,8 +164,9 @@ def series(rows):
         if impl.startswith("pytorch") or impl.startswith("torch"):
             label = LABELS.get(impl, r["impl"])
         else:
-            fmt = r["format"].upper() if r["format"] not in ("", "-") else "default"
-            label = f"{r['impl']} {fmt}"
+            words = r["format"].split() if r["format"] not in ("", "-") else ["default"]
+            label = " ".join([r["impl"], words[0].upper()]) + \
+                (f", {' '.join(words[1:])}" if len(words) > 1 else "")
         xs, ys = out.setdefault(label, ([], []))
         xs.append(r["tokens"])
         ys.append(r["peak_bytes"] / GIB if r["peak_bytes"] is not None else None)
@@ -179,13 +231,18 @@ def main(argv=None):
                     help="a horizontal line for a GPU's memory, NAME=GIB (repeatable)")
     ap.add_argument("--title")
     ap.add_argument("--logy", action="store_true", help="logarithmic memory axis")
+    ap.add_argument("--shape", help="heads x head_dim to plot, e.g. 56x128 (default: most rows)")
     args = ap.parse_args(argv)
     try:
-        rows = load(args.input)
+        rows, shape = select_shape(load(args.input), args.shape)
     except (OSError, InputError, json.JSONDecodeError) as e:
         print(f"plot_memory: {e}", file=sys.stderr)
         return 2
-    plot(rows, args.output, args.card, args.title, args.logy)
+    title = args.title
+    if title is None and shape != "-":
+        h, _, d = shape.partition("x")
+        title = f"Peak VRAM of one attention layer above its inputs ({h} heads × {d})"
+    plot(rows, args.output, args.card, title, args.logy)
     print(f"plot_memory: {len(rows)} rows -> {args.output}")
     return 0
 

@@ -17,11 +17,11 @@ def test_markdown_rows_from_matching_tables_only():
     assert len(rows) == 10
     first = rows[0]
     assert first == {"impl": "pytorch-cudnn", "format": "bf16", "tokens": 16384,
-                     "peak_bytes": 1_170_000_000}
+                     "peak_bytes": 1_170_000_000, "shape": "-"}
     crash = [r for r in rows if r["impl"] == "pytorch-efficient" and r["tokens"] == 152263]
     assert crash[0]["peak_bytes"] is None
-    assert {"impl": "kvpack", "format": "int4", "tokens": 152263,
-            "peak_bytes": 900_000_000} in rows, "backticks and _ separators are stripped"
+    assert {"impl": "kvpack", "format": "int4", "tokens": 152263, "peak_bytes": 900_000_000,
+            "shape": "-"} in rows, "backticks and _ separators are stripped"
     fa2 = [r for r in rows if r["impl"] == "pytorch-fa2"][0]
     assert fa2["peak_bytes"] == pytest.approx(10.25 * pm.GIB), "peak (GiB) converts to bytes"
 
@@ -68,3 +68,27 @@ def test_card_argument():
     assert pm.parse_card("RTX 3060=12") == ("RTX 3060", 12.0)
     with pytest.raises(Exception):
         pm.parse_card("no-number")
+
+
+def test_benchmark_layout_shape_and_impl_columns():
+    rows = pm.load(FIXTURES / "bench_layout.md")
+    assert len(rows) == 7, "the older run's duplicate row is dropped"
+    first = rows[0]
+    assert first == {"impl": "kvpack", "format": "int4", "tokens": 8192,
+                     "peak_bytes": pytest.approx(0.30 * pm.GIB), "shape": "56x128"}
+    assert {(r["impl"], r["format"]) for r in rows} == {
+        ("kvpack", "int4"), ("kvpack", "int4 in place"), ("pytorch-cudnn", "bf16"),
+        ("pytorch-fa2", "bf16")}
+    picked, shape = pm.select_shape(rows)
+    assert shape == "56x128" and len(picked) == 6
+    assert len(pm.select_shape(rows, "112×64")[0]) == 1
+    with pytest.raises(pm.InputError, match="shapes"):
+        pm.select_shape(rows, "8x8")
+    data = pm.series(picked)
+    assert data["kvpack INT4, in place"][0] == [32768]
+
+
+def test_benchmark_layout_renders(tmp_path):
+    out = tmp_path / "peak.png"
+    assert pm.main(["-i", str(FIXTURES / "bench_layout.md"), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
