@@ -73,6 +73,7 @@ def test_dashboard_and_rules_read_only_exported_or_labelled_families(scrape):
 def test_label_values_after_traffic():
     """After a few layers, every exported sample's labels are documented, with documented values
     where docs/metrics.md lists them (state, format, kind, stage, backend)."""
+    import grpc
     import numpy as np
     import kvpack
     from kvpack import tensors
@@ -106,5 +107,7 @@ def test_label_values_after_traffic():
             elif fam.labels[label] and value not in fam.labels[label]:
                 bad.append(f"{line}: {label}={value} not in {sorted(fam.labels[label])}")
     assert not bad, "\n".join(bad)
-    assert re.search(r'kvpack_requests_total\{[^}]*code="NOT_FOUND"', text)
+    codes = set(re.findall(r'kvpack_requests_total\{[^}]*code="(\w+)"', text))
+    assert "NOT_FOUND" in codes and "OK" in codes
+    assert codes <= {c.name for c in grpc.StatusCode}, "code is a gRPC code name"
     assert re.search(r'kvpack_tokens_total\{format="int8"\} 150', text)
