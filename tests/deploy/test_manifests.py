@@ -179,15 +179,29 @@ def test_systemd_unit_hardening():
     assert drain < float(stop), "the daemon drains before systemd kills it"
 
 
+def test_template_unit_has_the_same_hardening():
+    """kvpackd@.service differs from kvpackd.service only where an instance must."""
+    one = unit_settings(DEPLOY / "systemd" / "kvpackd.service")
+    per_gpu = unit_settings(DEPLOY / "systemd" / "kvpackd@.service")
+    differ = {k for k in one.keys() | per_gpu.keys() if one.get(k) != per_gpu.get(k)}
+    assert differ == {"Description", "EnvironmentFile", "Environment", "RuntimeDirectory",
+                      "StateDirectory"}, differ
+    assert per_gpu["Environment"] == ["CUDA_VISIBLE_DEVICES=%i"]
+    assert per_gpu["RuntimeDirectory"] == ["kvpackd/%i"]
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
-def test_systemd_unit_verifies(tmp_path):
+@pytest.mark.parametrize("name,instance", [("kvpackd.service", "kvpackd.service"),
+                                           ("kvpackd@.service", "kvpackd@0.service")])
+def test_systemd_unit_verifies(tmp_path, name, instance):
     """systemd-analyze knows every directive; the exposure score stays low. ExecStart points at
     /bin/true because verify checks that the binary exists."""
-    unit = tmp_path / "kvpackd.service"
-    unit.write_text((DEPLOY / "systemd" / "kvpackd.service").read_text()
+    unit = tmp_path / name
+    unit.write_text((DEPLOY / "systemd" / name).read_text()
                     .replace("/usr/local/bin/kvpackd", "/bin/true"))
-    r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
-    assert r.returncode == 0 and "kvpackd.service" not in r.stderr, r.stderr
-    r = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--threshold=25",
-                        str(unit)], capture_output=True, text=True)
+    target = str(tmp_path / instance)
+    r = subprocess.run(["systemd-analyze", "verify", target], capture_output=True, text=True)
+    assert r.returncode == 0 and "kvpackd" not in r.stderr, r.stderr
+    r = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--threshold=25", target],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
