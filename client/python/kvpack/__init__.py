@@ -10,6 +10,9 @@ kvpack.comfy (ComfyUI attention override), kvpack.testing (start a local daemon)
 """
 
 __version__ = "0.1.0"
+__all__ = ["Client", "LayerOptions", "LayerOutput", "Range", "RegionSlice", "Rope", "Weights",
+           "KvpackError", "Cancelled", "DeadlineExceeded", "FailedPrecondition", "InvalidArgument",
+           "NotFound", "PermissionDenied", "ResourceExhausted", "Unauthenticated", "Unavailable"]
 
 from kvpack.types import LayerOptions, LayerOutput, Range, RegionSlice, Rope, Weights  # noqa: F401
 from kvpack.errors import (  # noqa: F401

@@ -204,7 +204,7 @@ class Client:
         elif output == "in_place":
             header.output.mode = pb.OUTPUT_IN_PLACE
         elif output not in (None, "inline"):
-            raise ValueError(f"output must be None, 'inline', 'in_place' or a RegionSlice")
+            raise ValueError("output must be None, 'inline', 'in_place' or a RegionSlice")
 
         def requests():
             yield pb.LayerRequest(header=header)
