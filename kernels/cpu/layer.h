@@ -54,9 +54,10 @@ using CancelFn = std::function<bool()>;
 
 // OK when the CPU backend can run `config`; otherwise the error names the field.
 Error Supported(const LayerConfig& config);
-// Bytes of the packed K/V block: PlanKvLayout(shape, ranges).total_bytes.
+// Bytes of the packed K/V block: PlanKvLayout(shape, ranges).total_bytes (0 when !Supported).
 uint64_t KvBytes(const LayerConfig& config);
-// Peak scratch bytes of ProjectKv, AttendLayer and RunLayer for `config` (the largest of them).
+// Peak scratch bytes of ProjectKv, AttendLayer and RunLayer for `config` (the largest of them; what
+// the workspace holds is listed at the top of this file). 0 when !Supported.
 uint64_t WorkspaceBytes(const LayerConfig& config);
 
 // ── Layer driver ────────────────────────────────────────────────────────────────────────────────

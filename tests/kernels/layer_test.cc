@@ -43,14 +43,23 @@ std::vector<double> Reference(const TestLayer& L) {
 }
 
 TEST(Layer, MatchesFp64AttentionWithNormAndRope) {
-  for (PageFormat format : {PageFormat::kBf16, PageFormat::kInt8}) {
-    TestLayer L = MakeTestLayer(211, 96, 3, 32, 11, format);
-    L.config.qk_norm = {true, 1e-6f, 3 * 32};
-    SetRope(L, VideoRope(RopeLayout::kSplitHalves, 32));
+  const struct {
+    PageFormat format;
+    RopeLayout layout;
+    int norm_weight_len;  // head_dim: shared by the heads; H·d: per head
+  } cases[] = {{PageFormat::kBf16, RopeLayout::kSplitHalves, 3 * 32},
+               {PageFormat::kBf16, RopeLayout::kInterleaved, 32},
+               {PageFormat::kInt8, RopeLayout::kSplitHalves, 32},
+               {PageFormat::kInt8, RopeLayout::kInterleaved, 3 * 32}};
+  for (const auto& c : cases) {
+    TestLayer L = MakeTestLayer(211, 96, 3, 32, 11, c.format);
+    L.config.qk_norm = {true, 1e-6f, c.norm_weight_len};
+    SetRope(L, VideoRope(c.layout, 32));
     std::vector<uint16_t> out;
     ASSERT_TRUE(RunTestLayer(L, 2, &out).ok());
     const double rel = RelL2(out, Reference(L));
-    EXPECT_LT(rel, format == PageFormat::kBf16 ? kLayerRelL2Bf16 : kLayerRelL2Int8) << "format " << int(format);
+    EXPECT_LT(rel, c.format == PageFormat::kBf16 ? kLayerRelL2Bf16 : kLayerRelL2Int8)
+        << "format " << int(c.format) << " layout " << int(c.layout) << " weight_len " << c.norm_weight_len;
   }
 }
 
