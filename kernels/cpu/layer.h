@@ -27,7 +27,8 @@
 //   projection  bf16 [min(Tp, N), 2·H·d]  K then V columns of one chunk
 //   queries     bf16 [min(Tq, N), H·d]    Q of one chunk in stored form
 // WorkspaceBytes is the largest of the three, and that many bytes are written (tests hold it).
-// Per-thread stack buffers of AttendTile are ~150 KiB at d = 256 (two decoded pages + a tile).
+// Per-thread stack buffers are ~180 KiB at d = 256 (two decoded pages, a tile of queries, its
+// accumulators and outputs): fine for 8 MiB default thread stacks.
 //
 // Errors: kvpack::Error values (never exceptions or aborts): Supported's message names the field;
 // kCancelled when the CancelFn, polled before each chunk, returns true.
