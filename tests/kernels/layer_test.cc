@@ -209,6 +209,37 @@ TEST(Layer, CancellationStopsBetweenChunks) {
   EXPECT_NE(e.message().find("projection"), std::string::npos) << e.message();
 }
 
+TEST(Layer, CancellationDuringAttentionIsReported) {
+  TestLayer L = MakeTestLayer(200, 64, 2, 32, 72);
+  L.config.projection_chunk = 200;  // statistics, one projection chunk, then query chunks
+  L.config.query_chunk = 50;
+  std::vector<uint8_t> kv(KvBytes(L.config)), ws(WorkspaceBytes(L.config));
+  std::atomic<int> polls{0};
+  const CancelFn cancel = [&] { return ++polls > 3; };
+  const Error e = RunLayer(L.config, L.Tensors(), kv.data(), ws.data(), CpuOptions{2}, cancel);
+  EXPECT_EQ(e.code(), ErrorCode::kCancelled);
+  EXPECT_NE(e.message().find("attention"), std::string::npos) << e.message();
+}
+
+TEST(Layer, ProjectThenAttendEqualsRunLayer) {
+  TestLayer L = MakeTestLayer(180, 64, 2, 32, 73, PageFormat::kInt4);
+  std::vector<uint16_t> whole;
+  ASSERT_TRUE(RunTestLayer(L, 2, &whole).ok());
+  std::vector<uint8_t> kv(KvBytes(L.config)), ws(WorkspaceBytes(L.config));
+  ASSERT_TRUE(ProjectKv(L.config, L.Tensors(), kv.data(), ws.data(), CpuOptions{3}, nullptr).ok());
+  // A kept entry is read through its own tables: the view is all AttendLayer needs of it.
+  const KvEntryView view = MakeKvView(PlanKvLayout(L.config.shape, L.config.ranges), L.config.shape, kv.data(),
+                                      L.config.transforms);
+  std::fill(L.out.begin(), L.out.end(), 0);
+  std::vector<uint8_t> other_ws(WorkspaceBytes(L.config));
+  ASSERT_TRUE(AttendLayer(L.config, L.Tensors(), view, other_ws.data(), CpuOptions{1}, nullptr).ok());
+  EXPECT_EQ(L.out, whole);
+  KvEntryView wrong = view;
+  wrong.n_heads = 3;
+  EXPECT_EQ(AttendLayer(L.config, L.Tensors(), wrong, other_ws.data(), CpuOptions{1}, nullptr).code(),
+            ErrorCode::kInvalidArgument);
+}
+
 struct BadCase {
   const char* needle;
   ErrorCode code;
