@@ -90,7 +90,7 @@ struct Case {
   bool transforms = true;
   int64_t projection_chunk = 4096, query_chunk = 4096;
   uint64_t seed = 1;
-  AttentionTilingChoice tiling = AttentionTilingChoice::kTall;
+  AttentionTilingChoice tiling = AttentionTilingChoice::kTall;  // both tilings are tested explicitly
 };
 
 float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
@@ -479,6 +479,17 @@ TEST(CudaLayer, RejectsWhatTheGpuCannotRun) {
   EXPECT_EQ(Supported(c).code(), ErrorCode::kInvalidArgument);  // hidden != H·d
   c.in_place = false;
   EXPECT_TRUE(Supported(c).ok()) << Supported(c).message();
+}
+
+TEST(CudaLayer, AutoTilingPrefersTallUnlessBf16PagesCrowdTheSm) {
+  SKIP_WITHOUT_GPU();
+  AttentionTilingChoice t;
+  ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kInt4, 128), &t));
+  EXPECT_EQ(t, AttentionTilingChoice::kTall);
+  ASSERT_OK(ResolveAttentionTiling(64, PageBytes(PageFormat::kBf16, 64), &t));
+  EXPECT_EQ(t, AttentionTilingChoice::kTall);
+  ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kBf16, 128), &t));
+  EXPECT_EQ(t, AttentionTilingChoice::kWide);
 }
 
 TEST(CudaLayer, Int4OneSequence) {
