@@ -1,0 +1,36 @@
+#include "server/backends/backend.h"
+
+#include "server/backends/cpu_backend.h"
+#if defined(KVPACK_HAVE_CUDA_BACKEND)
+#include "server/backends/cuda_backend.h"
+#endif
+
+namespace kvpack::server {
+
+absl::StatusOr<BackendKind> ParseBackendKind(const std::string& text) {
+  if (text == "auto") return BackendKind::kAuto;
+  if (text == "cpu") return BackendKind::kCpu;
+  if (text == "cuda") return BackendKind::kCuda;
+  return absl::InvalidArgumentError("--backend=" + text + ": expected auto, cpu or cuda");
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options, std::string* note) {
+  if (options.kind != BackendKind::kCpu) {
+#if defined(KVPACK_HAVE_CUDA_BACKEND)
+    std::string why;
+    std::unique_ptr<Backend> cuda = MakeCudaBackend(&why);
+    if (cuda != nullptr) {
+      *note = "CUDA backend";
+      return cuda;
+    }
+    *note = "no CUDA device answered (" + why + "); serving on the CPU backend";
+#else
+    *note = "this build has no CUDA backend; serving on the CPU backend";
+#endif
+  } else {
+    *note = "CPU backend (--backend=cpu)";
+  }
+  return MakeCpuBackend(options.cpu_threads);
+}
+
+}  // namespace kvpack::server

@@ -1,0 +1,82 @@
+// The Backend interface: what the service needs from an engine that runs layers. Every backend
+// answers the three questions of STYLE.md §3 — Supported, KvBytes/WorkspaceBytes (plus IoBytes, the
+// device copies of inputs and outputs), Run — and says where its pool memory lives (its Arena).
+//
+// Memory spaces. Pool memory (the Arena's) is the backend's memory: host on the CPU backend, device
+// on CUDA. Tensors named by LayerTensors are in pool memory or, on the CPU backend, host memory the
+// service hands over (inline uploads, shared-memory regions). CopyToPool/CopyFromPool move bytes
+// between host memory and pool memory (memcpy on the CPU backend).
+//
+// Errors. Backends return absl::Status, converted from kernels' Error by ToStatus (error_status.h).
+// An INTERNAL error from a device is sticky: Healthy() turns false and the daemon reports NOT_SERVING.
+//
+// Thread safety: every method may be called from several executor threads at once.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/layer_spec.h"
+#include "server/core/pool.h"
+
+namespace kvpack::server {
+
+// Polled between chunks; true stops the call with CANCELLED.
+using CancelFn = std::function<bool()>;
+
+struct DeviceMemory {
+  bool present = false;  // false on the CPU backend
+  uint64_t free_bytes = 0;
+  uint64_t total_bytes = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string name() const = 0;  // "cpu" or "cuda" (the metric label)
+
+  // ── The three questions ──
+  virtual absl::Status Supported(const LayerConfig& config) const = 0;
+  virtual uint64_t KvBytes(const LayerConfig& config) const = 0;
+  virtual uint64_t WorkspaceBytes(const LayerConfig& config) const = 0;
+  // Pool bytes for device copies of x, positions and the output (0 when the backend reads host
+  // memory directly, as the CPU backend does).
+  virtual uint64_t IoBytes(const LayerConfig& config) const = 0;
+
+  // REQUIRES: Supported(config).ok(); kv has KvBytes, workspace WorkspaceBytes bytes (pool memory).
+  virtual absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv,
+                                 uint8_t* workspace, const CancelFn& cancel) = 0;
+  virtual absl::Status AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
+                                   uint8_t* workspace, const CancelFn& cancel) = 0;
+
+  // ── Memory ──
+  virtual std::unique_ptr<Arena> CreateArena() = 0;
+  virtual absl::Status CopyToPool(void* pool_dst, const void* host_src, uint64_t bytes) = 0;
+  virtual absl::Status CopyFromPool(void* host_dst, const void* pool_src, uint64_t bytes) = 0;
+  virtual DeviceMemory QueryDeviceMemory() const { return {}; }
+  // Whether tensors in host memory (inline uploads, shm regions) can be passed straight to Run.
+  virtual bool ReadsHostMemory() const = 0;
+
+  // False after a sticky device error.
+  virtual bool Healthy() const { return true; }
+};
+
+enum class BackendKind { kAuto, kCpu, kCuda };
+absl::StatusOr<BackendKind> ParseBackendKind(const std::string& text);
+
+struct BackendOptions {
+  BackendKind kind = BackendKind::kAuto;
+  int cpu_threads = 0;  // threads per CPU layer call; 0: all cores
+};
+
+// The backend for `options.kind`: kCuda and kAuto use the CUDA backend when it is built and a
+// device answers, else fall back to the CPU backend; `note` says what was chosen and why.
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options, std::string* note);
+
+}  // namespace kvpack::server

@@ -1,0 +1,56 @@
+#include "server/core/executor.h"
+
+#include <utility>
+
+namespace kvpack::server {
+
+Executor::Executor(int n_threads) {
+  if (n_threads < 1) n_threads = 1;
+  for (int i = 0; i < n_threads; ++i) threads_.emplace_back([this] { Loop(); });
+}
+
+Executor::~Executor() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+void Executor::Post(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
+}
+
+int Executor::Running() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return running_;
+}
+
+int Executor::Pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(tasks_.size());
+}
+
+void Executor::Loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping, and everything posted has run
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+      ++running_;
+    }
+    task();
+    std::lock_guard<std::mutex> lock(mu_);
+    --running_;
+  }
+}
+
+}  // namespace kvpack::server

@@ -1,0 +1,34 @@
+// A layer as a caller asks for it, before planning: ranges carry a list of allowed formats (best
+// first) rather than one format. The planner resolves it into a kernels LayerConfig.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/layer_spec.h"
+
+namespace kvpack::server {
+
+struct RangeRequest {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int32_t seq_id = 0;
+  std::vector<PageFormat> allowed;  // best first; never empty after conversion
+};
+
+struct LayerRequest {
+  LayerShape shape;
+  std::vector<RangeRequest> ranges;
+  RopeOptions rope;
+  QkNormOptions qk_norm;
+  TransformOptions transforms;
+  AttentionOptions attention;
+  bool has_bias = false;
+  bool in_place = false;
+};
+
+// The kernels' config of `request` with one format per range and the given chunk sizes.
+LayerConfig MakeLayerConfig(const LayerRequest& request, const std::vector<PageFormat>& formats,
+                            int64_t projection_chunk, int64_t query_chunk);
+
+}  // namespace kvpack::server

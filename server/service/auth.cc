@@ -1,0 +1,87 @@
+#include "server/service/auth.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvpack::server {
+namespace {
+
+// Compares without an early exit, so timing does not reveal how much of a token matched.
+bool ConstantTimeEquals(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i]) ^ static_cast<unsigned char>(b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+bool ValidTenantName(const std::string& name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) return false;
+  }
+  return true;
+}
+
+absl::StatusOr<Auth> Auth::FromFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("--auth_token_file=", path, ": cannot be read"));
+  std::map<std::string, std::string> tokens;
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    ++n;
+    if (auto hash = line.find('#'); hash != std::string::npos) line.resize(hash);
+    std::istringstream fields(line);
+    std::string token, tenant, extra;
+    if (!(fields >> token)) continue;
+    fields >> tenant;
+    if (fields >> extra) return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": expected TOKEN [TENANT]"));
+    if (token.size() < 16) return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": token shorter than 16 characters"));
+    if (!tenant.empty() && !ValidTenantName(tenant)) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", n, ": bad tenant name \"", tenant, "\""));
+    }
+    tokens[token] = tenant;
+  }
+  if (tokens.empty()) return absl::InvalidArgumentError(absl::StrCat("--auth_token_file=", path, ": no tokens"));
+  return FromTokens(std::move(tokens));
+}
+
+Auth Auth::FromTokens(std::map<std::string, std::string> token_to_tenant) {
+  Auth auth;
+  auth.tokens_ = std::move(token_to_tenant);
+  return auth;
+}
+
+absl::StatusOr<std::string> Auth::Authorize(const grpc::CallbackServerContext& context) const {
+  const auto& md = context.client_metadata();
+  std::string tenant;
+  if (auto it = md.find(kTenantHeader); it != md.end()) tenant.assign(it->second.data(), it->second.size());
+  if (!tenant.empty() && !ValidTenantName(tenant)) {
+    return absl::InvalidArgumentError(absl::StrCat(kTenantHeader, ": \"", tenant.substr(0, 80),
+                                                   "\" is not a tenant name (1-64 of A-Z a-z 0-9 . _ -)"));
+  }
+  if (tokens_.empty()) return tenant.empty() ? std::string(kDefaultTenant) : tenant;
+
+  auto it = md.find("authorization");
+  if (it == md.end()) return absl::UnauthenticatedError("authorization: a bearer token is required");
+  const std::string value(it->second.data(), it->second.size());
+  constexpr char kBearer[] = "Bearer ";
+  if (value.rfind(kBearer, 0) != 0) return absl::UnauthenticatedError("authorization: expected \"Bearer <token>\"");
+  const std::string token = value.substr(sizeof(kBearer) - 1);
+  const std::string* bound = nullptr;
+  for (const auto& [known, known_tenant] : tokens_) {
+    if (ConstantTimeEquals(token, known)) bound = &known_tenant;
+  }
+  if (bound == nullptr) return absl::UnauthenticatedError("authorization: unknown token");
+  if (bound->empty()) return tenant.empty() ? std::string(kDefaultTenant) : tenant;
+  if (!tenant.empty() && tenant != *bound) {
+    return absl::PermissionDeniedError(absl::StrCat("this token may not act as tenant \"", tenant, "\""));
+  }
+  return *bound;
+}
+
+}  // namespace kvpack::server

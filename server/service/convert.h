@@ -1,0 +1,25 @@
+// Proto ↔ domain conversion for the layer description and plans. Field names in error messages
+// follow the proto (e.g. "header.ranges[2].allowed_formats[0]").
+#pragma once
+
+#include "absl/status/statusor.h"
+#include "kvpack/v1/kvpack.pb.h"
+#include "server/core/layer_request.h"
+#include "server/core/planner.h"
+
+namespace kvpack::server {
+
+struct WeightsShape;  // registry.h
+
+absl::StatusOr<PageFormat> FromProto(v1::Format format);
+v1::Format ToProto(PageFormat format);
+
+// The layer described by `header`. has_bias and qk_norm_weight_len come from the weights (or, for
+// Plan without weights, from the request). Checks only what the proto adds (enums, sizes that do
+// not fit the domain types); the planner validates the rest.
+absl::StatusOr<LayerRequest> LayerRequestFromProto(const v1::LayerHeader& header, bool has_bias,
+                                                   int qk_norm_weight_len);
+
+void PlanToProto(const LayerPlan& plan, v1::PlanResult* out);
+
+}  // namespace kvpack::server

@@ -1,0 +1,252 @@
+#include "server/service/engine.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvpack::server {
+
+std::array<uint64_t, kNumPageFormats> KvFormatBytes(const LayerConfig& config) {
+  std::array<uint64_t, kNumPageFormats> out{};
+  const uint64_t heads_kv = 2ull * static_cast<uint64_t>(config.shape.n_heads);
+  for (const TokenRange& r : config.ranges) {
+    const uint64_t pages = static_cast<uint64_t>((r.end - r.begin + kPageTokens - 1) / kPageTokens);
+    out[static_cast<int>(r.format)] += pages * heads_kv * PageBytes(r.format, config.shape.head_dim);
+  }
+  return out;
+}
+
+Engine::Engine(EngineOptions options, std::unique_ptr<Backend> backend, const Clock* clock)
+    : options_(std::move(options)),
+      clock_(clock),
+      backend_(std::move(backend)),
+      pool_(std::make_unique<Pool>(options_.budget_bytes, backend_->CreateArena())),
+      registry_(clock, options_.lease) {
+  scheduler_ = std::make_unique<Scheduler>(options_.scheduler, pool_.get(), clock_);
+  metrics_ = std::make_unique<Metrics>(options_.version, backend_->name(), [this] { return Gauges(); });
+  pool_->SetReleaseListener([this] { scheduler_->Pump(); });
+  executor_ = std::make_unique<Executor>(options_.executor_threads);
+}
+
+Engine::~Engine() {
+  Drain();
+  executor_.reset();
+  pool_->SetReleaseListener(nullptr);
+  registry_.Clear();
+}
+
+PlannerCosts Engine::Costs() const {
+  PlannerCosts costs;
+  Backend* b = backend_.get();
+  costs.supported = [b](const LayerConfig& c) { return b->Supported(c); };
+  costs.kv_bytes = [b](const LayerConfig& c) { return b->KvBytes(c); };
+  costs.workspace_bytes = [b](const LayerConfig& c) { return b->WorkspaceBytes(c); };
+  costs.io_bytes = [b](const LayerConfig& c) { return b->IoBytes(c); };
+  return costs;
+}
+
+uint64_t Engine::CapacityFor(const std::string& tenant) const {
+  const PoolSnapshot s = pool_->Snapshot();
+  const uint64_t held = s.by_state[static_cast<int>(PoolState::kWeights)] + s.by_state[static_cast<int>(PoolState::kKvKept)];
+  uint64_t capacity = s.budget > held ? s.budget - held : 0;
+  if (options_.tenant_quota_bytes > 0) {
+    auto it = s.by_tenant.find(tenant);
+    const uint64_t used = it == s.by_tenant.end() ? 0 : it->second;
+    const uint64_t left = options_.tenant_quota_bytes > used ? options_.tenant_quota_bytes - used : 0;
+    capacity = std::min(capacity, left);
+  }
+  return capacity;
+}
+
+absl::Status Engine::CheckQuota(const std::string& tenant, uint64_t bytes) const {
+  if (options_.tenant_quota_bytes == 0) return absl::OkStatus();
+  const PoolSnapshot s = pool_->Snapshot();
+  auto it = s.by_tenant.find(tenant);
+  const uint64_t used = it == s.by_tenant.end() ? 0 : it->second;
+  if (used + PoolBytes(bytes) > options_.tenant_quota_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("tenant \"", tenant, "\" holds ", used, " bytes; ",
+                                                     PoolBytes(bytes), " more would pass its quota of ",
+                                                     options_.tenant_quota_bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LayerPlan> Engine::Plan(const std::string& tenant, const LayerRequest& request,
+                                       const KvEntry* kv) const {
+  const uint64_t capacity = CapacityFor(tenant);
+  if (kv == nullptr) return PlanLayer(request, capacity, Costs());
+  // Attend: the entry fixes the formats, and its bytes are already held.
+  LayerRequest fixed = request;
+  for (size_t i = 0; i < fixed.ranges.size() && i < kv->config.ranges.size(); ++i) {
+    fixed.ranges[i].allowed = {kv->config.ranges[i].format};
+  }
+  PlannerCosts costs = Costs();
+  costs.kv_bytes = [](const LayerConfig&) { return uint64_t{0}; };
+  return PlanLayer(fixed, capacity, costs);
+}
+
+void Engine::Submit(std::shared_ptr<LayerJob> job) {
+  job->submitted = clock_->Now();
+  Job sj;
+  sj.tenant = job->tenant;
+  sj.priority = job->priority;
+  sj.peak_bytes = job->plan.peak_bytes;
+  sj.deadline = job->deadline;
+  std::weak_ptr<LayerJob> weak = job;
+  sj.on_admit = [this, job](Pool::Reservation reservation) {
+    auto shared = std::make_shared<Pool::Reservation>(std::move(reservation));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++running_[job->tenant];
+      ++running_total_;
+    }
+    executor_->Post([this, job, shared] { Run(job, std::move(*shared)); });
+  };
+  sj.on_reject = [job](absl::Status status) { job->done(std::move(status)); };
+  absl::StatusOr<uint64_t> ticket = scheduler_->Submit(std::move(sj));
+  if (!ticket.ok()) {
+    job->done(ticket.status());
+    return;
+  }
+  job->ticket = *ticket;
+}
+
+void Engine::Cancel(const std::shared_ptr<LayerJob>& job) {
+  job->cancelled = true;
+  if (job->ticket != 0) scheduler_->Cancel(job->ticket);
+}
+
+void Engine::Tick() {
+  scheduler_->Pump();
+  registry_.Reap();
+}
+
+void Engine::Drain() {
+  scheduler_->RejectAll(absl::UnavailableError("kvpackd is shutting down"));
+  for (;;) {
+    if (Running() == 0 && executor_->Pending() == 0) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+int Engine::Running() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return running_total_;
+}
+
+std::map<std::string, int> Engine::RunningByTenant() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return running_;
+}
+
+GaugeValues Engine::Gauges() const {
+  const PoolSnapshot s = pool_->Snapshot();
+  GaugeValues v;
+  v.budget = s.budget;
+  v.by_state = s.by_state;
+  v.by_format = s.by_format;
+  v.high_water = s.high_water;
+  v.mapped = s.mapped;
+  const DeviceMemory dm = backend_->QueryDeviceMemory();
+  v.gpu_present = dm.present;
+  v.gpu_free = dm.free_bytes;
+  v.gpu_total = dm.total_bytes;
+  v.queue_depth = static_cast<int>(scheduler_->QueueDepth()) + executor_->Pending();
+  const RegistryCounts c = registry_.Counts();
+  v.shm_regions = c.shm;
+  v.cuda_ipc_regions = c.cuda_ipc;
+  v.weights_handles = c.weights;
+  v.kv_handles = c.kv;
+  return v;
+}
+
+void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reservation) {
+  absl::Status status = RunLocked(*job, reservation);
+  reservation.Release();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (--running_[job->tenant] == 0) running_.erase(job->tenant);
+    --running_total_;
+  }
+  job->done(std::move(status));
+}
+
+absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
+  const absl::Time start = clock_->Now();
+  job.queue_seconds = absl::ToDoubleSeconds(start - job.submitted);
+  metrics_->ObserveStage(Stage::kQueue, job.queue_seconds);
+  const CancelFn cancel = [&job, this] { return job.cancelled.load() || clock_->Now() >= job.deadline; };
+  if (cancel()) {
+    return job.cancelled ? absl::CancelledError("cancelled before it ran")
+                         : absl::DeadlineExceededError("deadline passed before it ran");
+  }
+  const LayerConfig& config = job.plan.config;
+
+  // Weights live in the pool.
+  LayerTensors tensors = job.tensors;
+  const WeightsEntry& w = *job.weights;
+  const uint8_t* wbase = w.lease.data();
+  tensors.w_qkv = reinterpret_cast<const uint16_t*>(wbase);
+  tensors.bias = w.has_bias ? reinterpret_cast<const float*>(wbase + w.bias_offset()) : nullptr;
+  tensors.q_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.q_norm_offset()) : nullptr;
+  tensors.k_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.k_norm_offset()) : nullptr;
+  if (!backend_->ReadsHostMemory()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the ", backend_->name(), " backend needs device copies of inputs; not wired in this build"));
+  }
+
+  // Memory, all from the reservation (the plan's peak).
+  Pool::Lease kv_lease;
+  const uint8_t* kv = nullptr;
+  if (job.mode == LayerMode::kAttend) {
+    kv = job.kv_in->lease.data();
+  } else {
+    AllocationSpec spec{job.plan.kv_bytes, PoolState::kKvActive, job.tenant, KvFormatBytes(config)};
+    absl::StatusOr<Pool::Lease> lease = pool_->Allocate(spec, &reservation);
+    if (!lease.ok()) return lease.status();
+    kv_lease = std::move(*lease);
+    kv = kv_lease.data();
+  }
+  Pool::Lease ws_lease;
+  if (job.plan.workspace_bytes > 0) {
+    absl::StatusOr<Pool::Lease> lease =
+        pool_->Allocate({job.plan.workspace_bytes, PoolState::kWorkspace, job.tenant, {}}, &reservation);
+    if (!lease.ok()) return lease.status();
+    ws_lease = std::move(*lease);
+  }
+  job.peak_bytes = kv_lease.bytes() + ws_lease.bytes();
+
+  if (job.mode != LayerMode::kAttend) {
+    const absl::Time t0 = clock_->Now();
+    if (absl::Status s = backend_->ProjectKv(config, tensors, kv_lease.data(), ws_lease.data(), cancel); !s.ok()) {
+      return s;
+    }
+    job.project_seconds = absl::ToDoubleSeconds(clock_->Now() - t0);
+    metrics_->ObserveStage(Stage::kProject, job.project_seconds);
+    for (const TokenRange& r : config.ranges) metrics_->AddTokens(r.format, static_cast<uint64_t>(r.end - r.begin));
+    if (job.plan.downgrades > 0) metrics_->AddDowngrades(static_cast<uint64_t>(job.plan.downgrades));
+  }
+  if (job.mode != LayerMode::kProject) {
+    const absl::Time t0 = clock_->Now();
+    if (absl::Status s = backend_->AttendLayer(config, tensors, kv, ws_lease.data(), cancel); !s.ok()) return s;
+    job.attend_seconds = absl::ToDoubleSeconds(clock_->Now() - t0);
+    metrics_->ObserveStage(Stage::kAttend, job.attend_seconds);
+  }
+  metrics_->ObservePeakBytes(job.peak_bytes);
+  ws_lease.Release();
+
+  if (job.keep_kv || job.mode == LayerMode::kProject) {
+    kv_lease.SetState(PoolState::kKvKept);
+    auto entry = std::make_shared<KvEntry>();
+    entry->id = Registry::NewId("kv-");
+    entry->tenant = job.tenant;
+    entry->weights_id = job.weights->id;
+    entry->config = config;
+    entry->lease = std::move(kv_lease);
+    job.kv_handle = entry->id;
+    registry_.AddKv(std::move(entry));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvpack::server

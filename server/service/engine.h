@@ -1,0 +1,130 @@
+// The daemon's state below the gRPC layer: backend, pool, scheduler, executor, registry, metrics,
+// and the one place a layer job runs (on an executor thread, never a gRPC thread).
+//
+// A LayerJob is built by the service from a validated request (tensors received or mapped), then
+// Submit()ted: the scheduler admits it when its predicted peak is free, the executor runs it, and
+// job->done(status) is called exactly once — from the thread that submitted it (early rejection),
+// the scheduler's pump (deadline, cancel) or the executor (after running).
+//
+// Thread safety: every method is thread-safe.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/backends/backend.h"
+#include "server/core/clock.h"
+#include "server/core/executor.h"
+#include "server/core/planner.h"
+#include "server/core/pool.h"
+#include "server/core/scheduler.h"
+#include "server/service/metrics.h"
+#include "server/service/registry.h"
+
+namespace kvpack::server {
+
+struct EngineOptions {
+  uint64_t budget_bytes = 0;
+  SchedulerOptions scheduler;
+  int executor_threads = 1;
+  absl::Duration lease = absl::Minutes(10);
+  uint64_t tenant_quota_bytes = 0;  // 0: none; caps each tenant's pool bytes (weights, kept K/V, plans)
+  std::string version = "0.1.0";
+};
+
+enum class LayerMode { kFull, kProject, kAttend };
+
+struct LayerJob {
+  LayerMode mode = LayerMode::kFull;
+  std::string method;  // RPC name, for metrics
+  std::string tenant;
+  int priority = 0;
+  absl::Time deadline = absl::InfiniteFuture();
+  absl::Time submitted;
+  LayerPlan plan;
+  std::shared_ptr<WeightsEntry> weights;
+  std::shared_ptr<KvEntry> kv_in;     // kAttend
+  bool keep_kv = false;
+  LayerTensors tensors;               // x, positions, out set by the service (host memory)
+  uint64_t out_bytes = 0;
+  std::vector<RegionUse> regions;     // keeps mapped regions alive for the job
+  std::unique_ptr<uint8_t[]> x_buf;   // inline inputs and output (host)
+  std::unique_ptr<uint8_t[]> positions_buf;
+  std::unique_ptr<uint8_t[]> out_buf;
+  std::atomic<bool> cancelled{false};
+  std::atomic<uint64_t> ticket{0};    // scheduler id while waiting
+
+  // Results.
+  std::string kv_handle;
+  uint64_t peak_bytes = 0;
+  double queue_seconds = 0, project_seconds = 0, attend_seconds = 0, transfer_seconds = 0;
+  std::function<void(absl::Status)> done;
+};
+
+class Engine {
+ public:
+  Engine(EngineOptions options, std::unique_ptr<Backend> backend, const Clock* clock);
+  ~Engine();
+
+  Backend& backend() { return *backend_; }
+  Pool& pool() { return *pool_; }
+  Registry& registry() { return registry_; }
+  Scheduler& scheduler() { return *scheduler_; }
+  Metrics& metrics() { return *metrics_; }
+  const Clock& clock() const { return *clock_; }
+  const EngineOptions& options() const { return options_; }
+
+  PlannerCosts Costs() const;
+  // Bytes one request of `tenant` may plan for: the budget minus what weights and kept K/V hold,
+  // and at most the tenant's quota minus the tenant's pool bytes.
+  uint64_t CapacityFor(const std::string& tenant) const;
+  // Plans `request` for `tenant`; with `kv` (Attend) the formats are the entry's and K/V costs nothing.
+  absl::StatusOr<LayerPlan> Plan(const std::string& tenant, const LayerRequest& request,
+                                 const KvEntry* kv = nullptr) const;
+  // Checks that a tenant may hold `bytes` more (quota); RESOURCE_EXHAUSTED with the numbers.
+  absl::Status CheckQuota(const std::string& tenant, uint64_t bytes) const;
+
+  // Queues the job; done() is called once, possibly before Submit returns.
+  void Submit(std::shared_ptr<LayerJob> job);
+  // Stops a job: removes it from the queue, or flags it so the backend stops at the next chunk.
+  void Cancel(const std::shared_ptr<LayerJob>& job);
+
+  // Periodic work: deadlines in the queue, expired leases.
+  void Tick();
+  // Rejects queued jobs and waits for running ones (shutdown).
+  void Drain();
+
+  GaugeValues Gauges() const;
+  int Running() const;
+  std::map<std::string, int> RunningByTenant() const;
+  bool Healthy() const { return backend_->Healthy(); }
+
+ private:
+  void Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reservation);
+  absl::Status RunLocked(LayerJob& job, Pool::Reservation& reservation);
+
+  const EngineOptions options_;
+  const Clock* const clock_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Pool> pool_;
+  Registry registry_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<Metrics> metrics_;
+  mutable std::mutex mu_;
+  std::map<std::string, int> running_;  // by tenant
+  int running_total_ = 0;
+  std::unique_ptr<Executor> executor_;  // last: joined first on destruction
+};
+
+// Pool bytes of packed pages by format for a K/V block laid out from `config`.
+std::array<uint64_t, kNumPageFormats> KvFormatBytes(const LayerConfig& config);
+
+}  // namespace kvpack::server

@@ -1,0 +1,416 @@
+// The streaming reactor of AttentionLayer, Project and Attend.
+//
+//   client → header, chunks of inline tensors (in order), half-close
+//   daemon → (validate the header, plan, fail fast) … (upload complete) submit to the Engine …
+//            (job done on an executor thread) result, chunks of the inline output, status
+//
+// Exactly one Finish: every path ends in FinishOnce. The reactor lives until OnDone; the job never
+// outlives it because Finish waits for the job (the job's done callback is what finishes a call
+// that reached the Engine).
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "server/service/convert.h"
+#include "server/service/service.h"
+
+namespace kvpack::server {
+namespace {
+
+constexpr uint64_t kChunkBytes = 1ull << 20;  // output chunk; far below gRPC's 4 MiB message limit
+
+const char* MethodName(LayerMode mode) {
+  switch (mode) {
+    case LayerMode::kFull: return "AttentionLayer";
+    case LayerMode::kProject: return "Project";
+    case LayerMode::kAttend: return "Attend";
+  }
+  return "AttentionLayer";
+}
+
+// One input tensor as the header declared it.
+struct Input {
+  const char* field = "";
+  uint64_t size = 0;        // expected bytes
+  bool is_inline = false;
+  uint8_t* data = nullptr;  // inline buffer or region slice
+  uint64_t received = 0;    // inline bytes so far
+};
+
+class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse> {
+ public:
+  LayerCall(KvpackService* service, grpc::CallbackServerContext* context, LayerMode mode)
+      : service_(service), context_(context), mode_(mode), method_(MethodName(mode)) {
+    absl::StatusOr<std::string> tenant = service_->Admit(*context_);
+    if (!tenant.ok()) {
+      FinishOnce(tenant.status());
+      return;
+    }
+    tenant_ = *tenant;
+    StartRead(&in_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      OnUploadComplete();
+      return;
+    }
+    absl::Status s;
+    if (in_.has_header()) {
+      s = have_header_ ? absl::InvalidArgumentError("header: sent twice") : OnHeader(in_.header());
+    } else if (in_.has_chunk()) {
+      s = have_header_ ? OnChunk(in_.chunk()) : absl::InvalidArgumentError("header: must come before any chunk");
+    } else {
+      s = absl::InvalidArgumentError("message: neither header nor chunk");
+    }
+    if (!s.ok()) {
+      FinishOnce(s);
+      return;
+    }
+    StartRead(&in_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      FinishOnce(absl::CancelledError("the client stopped reading the output"));
+      return;
+    }
+    WriteNext();
+  }
+
+  void OnCancel() override {
+    std::shared_ptr<LayerJob> job;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      job = job_;
+    }
+    if (job) job->cancelled = true;
+    if (job && submitted_) service_->engine().Cancel(job);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status OnHeader(const v1::LayerHeader& header) {
+    have_header_ = true;
+    header_start_ = absl::Now();
+    Engine& engine = service_->engine();
+    auto job = std::make_shared<LayerJob>();
+    job->mode = mode_;
+    job->method = method_;
+    job->tenant = tenant_;
+    job->priority = header.priority();
+    job->keep_kv = header.keep_kv() || mode_ == LayerMode::kProject;
+    if (context_->deadline() != std::chrono::system_clock::time_point::max()) {
+      job->deadline = absl::FromChrono(context_->deadline());
+    }
+
+    absl::StatusOr<std::shared_ptr<WeightsEntry>> weights =
+        engine.registry().GetWeights(tenant_, header.weights_handle(), "header.weights_handle");
+    if (!weights.ok()) return weights.status();
+    job->weights = *weights;
+    const WeightsEntry& w = **weights;
+
+    absl::StatusOr<LayerRequest> request = LayerRequestFromProto(header, w.has_bias, w.norm_len);
+    if (!request.ok()) return request.status();
+    if (absl::Status s = CheckLimits(request->shape, service_->limits()); !s.ok()) return s;
+    const LayerShape& shape = request->shape;
+    if (shape.hidden != w.hidden || shape.n_heads != w.n_heads || shape.head_dim != w.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "header.shape (hidden ", shape.hidden, ", n_heads ", shape.n_heads, ", head_dim ", shape.head_dim,
+          ") does not match the weights (hidden ", w.hidden, ", n_heads ", w.n_heads, ", head_dim ", w.head_dim, ")"));
+    }
+    if (request->qk_norm.enabled && w.norm_len == 0) {
+      return absl::InvalidArgumentError("header.options.qk_norm.enabled: the weights have no q/k norm weights");
+    }
+
+    if (mode_ == LayerMode::kAttend) {
+      absl::StatusOr<std::shared_ptr<KvEntry>> kv = engine.registry().GetKv(tenant_, header.kv_handle(), "header.kv_handle");
+      if (!kv.ok()) return kv.status();
+      job->kv_in = *kv;
+      if (absl::Status s = MatchKv(**kv, *request, w); !s.ok()) return s;
+      // The entry's transforms are the ones its pages were written with.
+      request->transforms = (*kv)->config.transforms;
+      request->rope = (*kv)->config.rope;
+      request->qk_norm = (*kv)->config.qk_norm;
+    } else if (!header.kv_handle().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("header.kv_handle: only Attend takes a K/V handle, not ", method_));
+    }
+
+    absl::StatusOr<LayerPlan> plan = engine.Plan(tenant_, *request, job->kv_in.get());
+    if (!plan.ok()) return plan.status();
+    if (!plan->fits) return absl::ResourceExhaustedError(plan->reason);
+    job->plan = std::move(*plan);
+
+    // Inputs.
+    x_.field = "header.x";
+    x_.size = static_cast<uint64_t>(shape.n_tokens) * shape.hidden * 2;
+    if (absl::Status s = Bind(header.x(), &x_, job.get(), /*required=*/true); !s.ok()) return s;
+    const bool rope = request->rope.layout != RopeLayout::kNone;
+    positions_.field = "header.positions";
+    positions_.size = rope ? static_cast<uint64_t>(shape.n_tokens) * request->rope.n_axes * 4 : 0;
+    if (!rope && header.positions().location_case() != v1::TensorRef::LOCATION_NOT_SET) {
+      return absl::InvalidArgumentError("header.positions: given without RoPE (options.rope.layout is LAYOUT_NONE)");
+    }
+    if (rope) {
+      if (absl::Status s = Bind(header.positions(), &positions_, job.get(), /*required=*/true); !s.ok()) return s;
+    }
+    const uint64_t inline_total = (x_.is_inline ? x_.size : 0) + (positions_.is_inline ? positions_.size : 0);
+    if (inline_total > service_->limits().max_inline_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat("inline tensors of ", inline_total,
+                                                       " bytes exceed this daemon's limit of ",
+                                                       service_->limits().max_inline_bytes, " per request; use a region"));
+    }
+    if (x_.is_inline) {
+      job->x_buf.reset(new uint8_t[x_.size]);
+      x_.data = job->x_buf.get();
+    }
+    if (positions_.is_inline) {
+      job->positions_buf.reset(new uint8_t[positions_.size]);
+      positions_.data = job->positions_buf.get();
+    }
+    job->tensors.x = reinterpret_cast<const uint16_t*>(x_.data);
+    job->tensors.positions = rope ? reinterpret_cast<const float*>(positions_.data) : nullptr;
+
+    // Output.
+    const uint64_t out_size = static_cast<uint64_t>(shape.n_tokens) * shape.HeadCols() * 2;
+    job->out_bytes = out_size;
+    const v1::OutputMode out_mode = header.output().mode();
+    if (mode_ == LayerMode::kProject) {
+      if (out_mode != v1::OUTPUT_INLINE && out_mode != v1::OUTPUT_NONE) {
+        return absl::InvalidArgumentError("header.output.mode: Project writes no output (use OUTPUT_NONE)");
+      }
+    } else {
+      switch (out_mode) {
+        case v1::OUTPUT_INLINE:
+          job->out_buf.reset(new uint8_t[out_size]);
+          job->tensors.out = reinterpret_cast<uint16_t*>(job->out_buf.get());
+          out_inline_ = job->out_buf.get();
+          break;
+        case v1::OUTPUT_IN_PLACE:
+          job->tensors.out = reinterpret_cast<uint16_t*>(x_.data);
+          if (x_.is_inline) out_inline_ = x_.data;
+          break;
+        case v1::OUTPUT_REGION: {
+          const v1::RegionSlice& slice = header.output().region();
+          if (slice.size_bytes() != out_size) {
+            return absl::InvalidArgumentError(absl::StrCat("header.output.region.size_bytes = ", slice.size_bytes(),
+                                                           ", expected N * n_heads * head_dim * 2 = ", out_size));
+          }
+          absl::StatusOr<RegionUse> use = engine.registry().UseRegion(tenant_, slice.region_id(), "header.output.region");
+          if (!use.ok()) return use.status();
+          absl::StatusOr<uint8_t*> p = use->get()->Slice(slice.offset(), out_size, "header.output.region");
+          if (!p.ok()) return p.status();
+          job->tensors.out = reinterpret_cast<uint16_t*>(*p);
+          job->regions.push_back(std::move(*use));
+          break;
+        }
+        case v1::OUTPUT_NONE:
+          return absl::InvalidArgumentError(absl::StrCat("header.output.mode: ", method_, " writes an output"));
+        default:
+          return absl::InvalidArgumentError(absl::StrCat("header.output.mode = ", out_mode, " is not known"));
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = std::move(job);
+    return absl::OkStatus();
+  }
+
+  // Checks that an Attend request describes the tokens its K/V entry was projected from.
+  absl::Status MatchKv(const KvEntry& kv, const LayerRequest& request, const WeightsEntry& w) {
+    if (kv.weights_id != w.id) {
+      return absl::InvalidArgumentError("header.kv_handle: the entry was projected with other weights");
+    }
+    const LayerShape& a = kv.config.shape;
+    if (a.n_tokens != request.shape.n_tokens || a.n_heads != request.shape.n_heads ||
+        a.head_dim != request.shape.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat("header.shape: the K/V entry has ", a.n_tokens, " tokens, ",
+                                                     a.n_heads, " heads of ", a.head_dim, "; the request differs"));
+    }
+    if (kv.config.ranges.size() != request.ranges.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("header.ranges: the K/V entry has ", kv.config.ranges.size(), " ranges"));
+    }
+    for (size_t i = 0; i < request.ranges.size(); ++i) {
+      const TokenRange& k = kv.config.ranges[i];
+      const RangeRequest& r = request.ranges[i];
+      if (k.begin != r.begin || k.end != r.end || k.seq_id != r.seq_id) {
+        return absl::InvalidArgumentError(absl::StrCat("header.ranges[", i, "]: differs from the K/V entry's [", k.begin,
+                                                       ", ", k.end, ") seq ", k.seq_id));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Bind(const v1::TensorRef& ref, Input* input, LayerJob* job, bool required) {
+    switch (ref.location_case()) {
+      case v1::TensorRef::LOCATION_NOT_SET:
+        return required ? absl::InvalidArgumentError(absl::StrCat(input->field, ": required")) : absl::OkStatus();
+      case v1::TensorRef::kInlineBytes:
+        if (ref.inline_bytes() != input->size) {
+          return absl::InvalidArgumentError(absl::StrCat(input->field, ".inline_bytes = ", ref.inline_bytes(),
+                                                         ", expected ", input->size));
+        }
+        input->is_inline = true;
+        return absl::OkStatus();
+      case v1::TensorRef::kRegion: {
+        const v1::RegionSlice& slice = ref.region();
+        const std::string field = absl::StrCat(input->field, ".region");
+        if (slice.size_bytes() != input->size) {
+          return absl::InvalidArgumentError(absl::StrCat(field, ".size_bytes = ", slice.size_bytes(), ", expected ",
+                                                         input->size));
+        }
+        absl::StatusOr<RegionUse> use = service_->engine().registry().UseRegion(tenant_, slice.region_id(), field);
+        if (!use.ok()) return use.status();
+        absl::StatusOr<uint8_t*> p = use->get()->Slice(slice.offset(), input->size, field);
+        if (!p.ok()) return p.status();
+        if (reinterpret_cast<uintptr_t>(*p) % 4 != 0) {
+          return absl::InvalidArgumentError(absl::StrCat(field, ".offset = ", slice.offset(), " is not 4-byte aligned"));
+        }
+        input->data = *p;
+        job->regions.push_back(std::move(*use));
+        return absl::OkStatus();
+      }
+    }
+    return absl::InvalidArgumentError(absl::StrCat(input->field, ": unknown location"));
+  }
+
+  absl::Status OnChunk(const v1::TensorChunk& chunk) {
+    Input* input = chunk.tensor() == v1::TENSOR_X ? &x_ : chunk.tensor() == v1::TENSOR_POSITIONS ? &positions_ : nullptr;
+    if (input == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.tensor = ", chunk.tensor(), ": ", method_,
+                                                     " takes TENSOR_X and TENSOR_POSITIONS"));
+    }
+    if (!input->is_inline) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.tensor: ", input->field, " was not declared inline"));
+    }
+    if (chunk.offset() != input->received) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.offset = ", chunk.offset(), " for ", input->field,
+                                                     ": chunks must arrive in order; expected ", input->received));
+    }
+    const uint64_t n = chunk.data().size();
+    if (n > input->size - input->received) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.data: ", input->field, " is ", input->size,
+                                                     " bytes; this chunk ends at ", chunk.offset() + n));
+    }
+    std::memcpy(input->data + input->received, chunk.data().data(), n);
+    input->received += n;
+    return absl::OkStatus();
+  }
+
+  void OnUploadComplete() {
+    if (context_->IsCancelled()) {
+      FinishOnce(absl::CancelledError("the client cancelled the call"));
+      return;
+    }
+    if (!have_header_) {
+      FinishOnce(absl::InvalidArgumentError("header: the stream ended before a header"));
+      return;
+    }
+    for (const Input* input : {&x_, &positions_}) {
+      if (input->is_inline && input->received != input->size) {
+        FinishOnce(absl::InvalidArgumentError(absl::StrCat(input->field, ": received ", input->received, " of ",
+                                                           input->size, " bytes before the stream closed")));
+        return;
+      }
+    }
+    upload_seconds_ = absl::ToDoubleSeconds(absl::Now() - header_start_);
+    std::shared_ptr<LayerJob> job;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job = job_;
+      if (cancelled_) job->cancelled = true;
+    }
+    job->done = [this](absl::Status status) { OnJobDone(std::move(status)); };
+    submitted_ = true;
+    service_->engine().Submit(job);
+  }
+
+  // On an executor thread (or the scheduler's pump on reject).
+  void OnJobDone(absl::Status status) {
+    // Handles and regions are let go before the client hears back, so a release it sends next frees
+    // their memory at once.
+    job_->weights.reset();
+    job_->kv_in.reset();
+    job_->regions.clear();
+    if (!status.ok()) {
+      if (status.code() == absl::StatusCode::kCancelled && !job_->cancelled && absl::Now() >= job_->deadline) {
+        status = absl::DeadlineExceededError(status.message());
+      }
+      FinishOnce(status);
+      return;
+    }
+    v1::LayerResult* result = out_.mutable_result();
+    PlanToProto(job_->plan, result->mutable_plan());
+    result->set_kv_handle(job_->kv_handle);
+    result->set_peak_bytes(job_->peak_bytes);
+    v1::StageSeconds* sec = result->mutable_seconds();
+    sec->set_queue(job_->queue_seconds);
+    sec->set_project(job_->project_seconds);
+    sec->set_attend(job_->attend_seconds);
+    sec->set_transfer(upload_seconds_);
+    if (out_inline_ != nullptr) result->set_output_bytes(job_->out_bytes);
+    download_start_ = absl::Now();
+    StartWrite(&out_);
+  }
+
+  void WriteNext() {
+    if (out_inline_ == nullptr || sent_ >= job_->out_bytes) {
+      service_->engine().metrics().ObserveStage(
+          Stage::kTransfer, upload_seconds_ + absl::ToDoubleSeconds(absl::Now() - download_start_));
+      FinishOnce(absl::OkStatus());
+      return;
+    }
+    const uint64_t n = std::min(kChunkBytes, job_->out_bytes - sent_);
+    out_.Clear();
+    v1::TensorChunk* chunk = out_.mutable_chunk();
+    chunk->set_tensor(v1::TENSOR_OUTPUT);
+    chunk->set_offset(sent_);
+    chunk->set_data(out_inline_ + sent_, n);
+    sent_ += n;
+    StartWrite(&out_);
+  }
+
+  void FinishOnce(const absl::Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;
+      finished_ = true;
+    }
+    Finish(service_->Finished(method_, status));
+  }
+
+  KvpackService* const service_;
+  grpc::CallbackServerContext* const context_;
+  const LayerMode mode_;
+  const char* const method_;
+  std::string tenant_;
+  v1::LayerRequest in_;
+  v1::LayerResponse out_;
+  bool have_header_ = false;
+  Input x_, positions_;
+  uint8_t* out_inline_ = nullptr;
+  uint64_t sent_ = 0;
+  absl::Time header_start_, download_start_;
+  double upload_seconds_ = 0;
+  std::atomic<bool> submitted_{false};
+  std::mutex mu_;
+  std::shared_ptr<LayerJob> job_;
+  bool cancelled_ = false;
+  bool finished_ = false;
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* NewLayerCall(KvpackService* service,
+                                                                          grpc::CallbackServerContext* context,
+                                                                          LayerMode mode) {
+  return new LayerCall(service, context, mode);
+}
+
+}  // namespace kvpack::server

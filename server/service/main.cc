@@ -1,0 +1,172 @@
+// kvpackd: serves kvpack.v1 over gRPC on one backend, with Prometheus metrics, health and
+// reflection. SIGTERM/SIGINT: stop admitting, let in-flight calls finish (--drain_seconds), exit 0.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "server/backends/backend.h"
+#include "server/service/options.h"
+#include "server/service/service.h"
+
+namespace kvpack::server {
+namespace {
+
+constexpr char kVersion[] = "0.1.0";
+
+std::string ReadFile(const std::string& path, bool* ok) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  *ok = static_cast<bool>(in);
+  return s.str();
+}
+
+// MemAvailable from /proc/meminfo: the "free memory" of a CPU-backed pool.
+uint64_t HostAvailableBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  std::string unit;
+  while (in >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return 0;
+}
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "kvpackd: %s\n", message.c_str());
+  return 2;
+}
+
+int Main(int argc, char** argv) {
+  absl::StatusOr<DaemonOptions> options = ParseDaemonOptions(argc, argv);
+  if (!options.ok()) return Fail(std::string(options.status().message()));
+  if (options->help) {
+    std::fputs(DaemonUsage(), stdout);
+    return 0;
+  }
+  const DaemonOptions& o = *options;
+
+  // Signals are taken by sigwait in main; every thread started below inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  Auth auth;
+  if (!o.auth_token_file.empty()) {
+    absl::StatusOr<Auth> a = Auth::FromFile(o.auth_token_file);
+    if (!a.ok()) return Fail(std::string(a.status().message()));
+    auth = std::move(*a);
+  } else if (!IsLoopbackAddress(o.listen)) {
+    return Fail("--listen=" + o.listen + " is not loopback: --auth_token_file is required");
+  }
+
+  absl::StatusOr<BackendKind> kind = ParseBackendKind(o.backend);
+  if (!kind.ok()) return Fail(std::string(kind.status().message()));
+  std::string note;
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackend({*kind, o.cpu_threads}, &note);
+  if (!backend.ok()) return Fail(std::string(backend.status().message()));
+  std::fprintf(stderr, "kvpackd: %s\n", note.c_str());
+
+  const DeviceMemory dm = (*backend)->QueryDeviceMemory();
+  const uint64_t free_bytes = dm.present ? dm.free_bytes : HostAvailableBytes();
+  EngineOptions eo;
+  eo.budget_bytes = o.vram_budget.Resolve(free_bytes);
+  if (eo.budget_bytes == 0) return Fail("--vram_budget resolves to 0 bytes");
+  eo.scheduler.max_queue = static_cast<size_t>(o.max_queue);
+  eo.executor_threads = o.threads;
+  eo.lease = absl::Seconds(o.lease_seconds);
+  eo.tenant_quota_bytes = o.tenant_quota.bytes;
+  eo.version = kVersion;
+  SystemClock clock;
+  Engine engine(eo, std::move(*backend), &clock);
+  ServiceLimits limits;
+  limits.max_inline_bytes = o.max_inline.bytes;
+  KvpackService service(&engine, std::move(auth), limits);
+
+  int metrics_port = 0;
+  if (o.metrics_address != "off") {
+    absl::StatusOr<int> port = engine.metrics().Serve(o.metrics_address);
+    if (!port.ok()) return Fail(std::string(port.status().message()));
+    metrics_port = *port;
+  }
+
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (!o.tls_cert_file.empty()) {
+    bool ok_cert = false, ok_key = false;
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({ReadFile(o.tls_key_file, &ok_key), ReadFile(o.tls_cert_file, &ok_cert)});
+    if (!ok_cert || !ok_key) return Fail("cannot read --tls_cert_file or --tls_key_file");
+    creds = grpc::SslServerCredentials(ssl);
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(o.listen, creds, &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) return Fail("cannot listen on " + o.listen);
+  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  health->SetServingStatus(true);
+  std::printf("kvpackd %s: listening on %s (port %d), metrics port %d, backend %s, budget %llu bytes\n", kVersion,
+              o.listen.c_str(), port, metrics_port, engine.backend().name().c_str(),
+              static_cast<unsigned long long>(eo.budget_bytes));
+  std::fflush(stdout);
+
+  // Ticker: queue deadlines, expired leases, sticky backend errors → NOT_SERVING.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;
+  std::thread ticker([&] {
+    bool serving = true;
+    std::unique_lock<std::mutex> lock(mu);
+    while (!cv.wait_for(lock, std::chrono::milliseconds(50), [&] { return stop; })) {
+      engine.Tick();
+      if (serving && !engine.Healthy()) {
+        serving = false;
+        health->SetServingStatus(false);
+        std::fprintf(stderr, "kvpackd: the backend reported a sticky error; health is NOT_SERVING\n");
+      }
+    }
+  });
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::fprintf(stderr, "kvpackd: %s: draining (up to %.0f s)\n", sig == SIGTERM ? "SIGTERM" : "SIGINT", o.drain_seconds);
+  service.StartDraining();
+  health->SetServingStatus(false);
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(o.drain_seconds * 1000)));
+  engine.Drain();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    stop = true;
+  }
+  cv.notify_all();
+  ticker.join();
+  server->Wait();
+  server.reset();
+  std::fprintf(stderr, "kvpackd: drained; exiting\n");
+  // Every call has finished and every job has run; the pool and mappings go with the process. The
+  // metrics server (civetweb) and gRPC's static teardown would take ~2 s more to stop their
+  // threads, so leave without running destructors.
+  std::fflush(nullptr);
+  _exit(0);
+}
+
+}  // namespace
+}  // namespace kvpack::server
+
+int main(int argc, char** argv) { return kvpack::server::Main(argc, argv); }

@@ -1,0 +1,149 @@
+#include "server/service/metrics.h"
+
+#include <prometheus/collectable.h>
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/histogram.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
+
+#include <exception>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvpack::server {
+
+namespace {
+
+prometheus::MetricFamily GaugeFamily(const std::string& name, const std::string& help) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = prometheus::MetricType::Gauge;
+  return f;
+}
+
+void AddGauge(prometheus::MetricFamily* f, double value, std::vector<prometheus::ClientMetric::Label> labels = {}) {
+  prometheus::ClientMetric m;
+  m.label = std::move(labels);
+  m.gauge.value = value;
+  f->metric.push_back(std::move(m));
+}
+
+std::vector<double> Exponential(double start, double factor, int count) {
+  std::vector<double> b;
+  for (int i = 0; i < count; ++i, start *= factor) b.push_back(start);
+  return b;
+}
+
+}  // namespace
+
+class Metrics::GaugeCollectable final : public prometheus::Collectable {
+ public:
+  GaugeCollectable(std::string version, std::string backend, std::function<GaugeValues()> read)
+      : version_(std::move(version)), backend_(std::move(backend)), read_(std::move(read)) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    const GaugeValues v = read_();
+    std::vector<prometheus::MetricFamily> out;
+    auto budget = GaugeFamily("kvpack_budget_bytes", "The hard --vram_budget ceiling on everything kvpackd allocates");
+    AddGauge(&budget, static_cast<double>(v.budget));
+    out.push_back(std::move(budget));
+    auto pool = GaugeFamily("kvpack_pool_bytes", "Bytes allocated from the pool, by what holds them");
+    for (int s = 0; s < kNumPoolStates; ++s) {
+      AddGauge(&pool, static_cast<double>(v.by_state[s]), {{"state", PoolStateName(static_cast<PoolState>(s))}});
+    }
+    out.push_back(std::move(pool));
+    auto fmt = GaugeFamily("kvpack_pool_format_bytes", "Packed K/V page bytes by format (active and kept)");
+    for (int f = 0; f < kNumPageFormats; ++f) {
+      AddGauge(&fmt, static_cast<double>(v.by_format[f]), {{"format", FormatName(static_cast<PageFormat>(f))}});
+    }
+    out.push_back(std::move(fmt));
+    auto hw = GaugeFamily("kvpack_pool_high_water_bytes", "Highest pool total since start");
+    AddGauge(&hw, static_cast<double>(v.high_water));
+    out.push_back(std::move(hw));
+    auto mapped = GaugeFamily("kvpack_pool_mapped_bytes", "Physical memory mapped behind the pool");
+    AddGauge(&mapped, static_cast<double>(v.mapped));
+    out.push_back(std::move(mapped));
+    if (v.gpu_present) {
+      auto gpu = GaugeFamily("kvpack_gpu_memory_bytes", "GPU memory from cudaMemGetInfo");
+      AddGauge(&gpu, static_cast<double>(v.gpu_free), {{"kind", "free"}});
+      AddGauge(&gpu, static_cast<double>(v.gpu_total), {{"kind", "total"}});
+      out.push_back(std::move(gpu));
+    }
+    auto queue = GaugeFamily("kvpack_queue_depth", "Requests admitted-waiting for memory or the executor");
+    AddGauge(&queue, v.queue_depth);
+    out.push_back(std::move(queue));
+    auto regions = GaugeFamily("kvpack_regions", "Registered memory regions");
+    AddGauge(&regions, v.shm_regions, {{"kind", "shm"}});
+    AddGauge(&regions, v.cuda_ipc_regions, {{"kind", "cuda_ipc"}});
+    out.push_back(std::move(regions));
+    auto handles = GaugeFamily("kvpack_handles", "Live weight and K/V handles");
+    AddGauge(&handles, v.weights_handles, {{"kind", "weights"}});
+    AddGauge(&handles, v.kv_handles, {{"kind", "kv"}});
+    out.push_back(std::move(handles));
+    auto info = GaugeFamily("kvpack_build_info", "Which build and backend serve");
+    AddGauge(&info, 1.0, {{"backend", backend_}, {"version", version_}});
+    out.push_back(std::move(info));
+    return out;
+  }
+
+ private:
+  const std::string version_, backend_;
+  const std::function<GaugeValues()> read_;
+};
+
+Metrics::Metrics(std::string version, std::string backend, std::function<GaugeValues()> read_gauges)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      gauges_(std::make_shared<GaugeCollectable>(std::move(version), std::move(backend), std::move(read_gauges))) {
+  requests_ = &prometheus::BuildCounter().Name("kvpack_requests_total").Help("Finished RPCs").Register(*registry_);
+  auto& stages = prometheus::BuildHistogram()
+                     .Name("kvpack_stage_duration_seconds")
+                     .Help("Time per request stage")
+                     .Register(*registry_);
+  const std::vector<double> seconds = Exponential(0.0005, 2.0, 18);  // 0.5 ms .. ~65 s
+  const char* names[] = {"queue", "project", "attend", "transfer"};
+  for (int i = 0; i < 4; ++i) stages_[i] = &stages.Add({{"stage", names[i]}}, seconds);
+  auto& peak = prometheus::BuildHistogram()
+                   .Name("kvpack_request_peak_bytes")
+                   .Help("Peak pool bytes a request held")
+                   .Register(*registry_);
+  peak_ = &peak.Add({}, Exponential(65536.0, 4.0, 14));  // 64 KiB .. 16 TiB
+  auto& tokens = prometheus::BuildCounter().Name("kvpack_tokens_total").Help("Tokens packed, by format").Register(*registry_);
+  for (int f = 0; f < kNumPageFormats; ++f) tokens_[f] = &tokens.Add({{"format", FormatName(static_cast<PageFormat>(f))}});
+  downgrades_ = &prometheus::BuildCounter()
+                     .Name("kvpack_precision_downgrades_total")
+                     .Help("Ranges stored below their first allowed format to fit the budget")
+                     .Register(*registry_)
+                     .Add({});
+}
+
+Metrics::~Metrics() = default;
+
+absl::StatusOr<int> Metrics::Serve(const std::string& address) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("--metrics_address=", address, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(gauges_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  return ports.empty() ? 0 : ports.front();
+}
+
+void Metrics::RecordRequest(const std::string& method, const char* code) {
+  requests_->Add({{"method", method}, {"code", code}}).Increment();
+}
+
+void Metrics::ObserveStage(Stage stage, double seconds) { stages_[static_cast<int>(stage)]->Observe(seconds); }
+void Metrics::ObservePeakBytes(uint64_t bytes) { peak_->Observe(static_cast<double>(bytes)); }
+void Metrics::AddTokens(PageFormat format, uint64_t tokens) {
+  tokens_[static_cast<int>(format)]->Increment(static_cast<double>(tokens));
+}
+void Metrics::AddDowngrades(uint64_t ranges) { downgrades_->Increment(static_cast<double>(ranges)); }
+
+}  // namespace kvpack::server

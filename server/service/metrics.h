@@ -1,0 +1,75 @@
+// Prometheus metrics of kvpackd: exactly the families of docs/metrics.md.
+//
+// Gauges are not stored: a collectable reads them from `read_gauges` at scrape time (the pool,
+// scheduler and registry snapshots), so /metrics and Status agree by construction. Counters and
+// histograms are recorded as events happen.
+//
+// Thread safety: every method is thread-safe.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "kernels/format.h"
+#include "server/core/pool.h"
+
+namespace prometheus {
+class Counter;
+class Exposer;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace kvpack::server {
+
+struct GaugeValues {
+  uint64_t budget = 0;
+  std::array<uint64_t, kNumPoolStates> by_state{};
+  std::array<uint64_t, kNumPageFormats> by_format{};
+  uint64_t high_water = 0;
+  uint64_t mapped = 0;
+  bool gpu_present = false;
+  uint64_t gpu_free = 0;
+  uint64_t gpu_total = 0;
+  int queue_depth = 0;
+  int shm_regions = 0;
+  int cuda_ipc_regions = 0;
+  int weights_handles = 0;
+  int kv_handles = 0;
+};
+
+enum class Stage { kQueue, kProject, kAttend, kTransfer };
+
+class Metrics {
+ public:
+  Metrics(std::string version, std::string backend, std::function<GaugeValues()> read_gauges);
+  ~Metrics();
+
+  // Serves /metrics on `address` ("host:port"; port 0 picks one). Returns the bound port.
+  absl::StatusOr<int> Serve(const std::string& address);
+
+  void RecordRequest(const std::string& method, const char* code);
+  void ObserveStage(Stage stage, double seconds);
+  void ObservePeakBytes(uint64_t bytes);
+  void AddTokens(PageFormat format, uint64_t tokens);
+  void AddDowngrades(uint64_t ranges);
+
+ private:
+  class GaugeCollectable;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<GaugeCollectable> gauges_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  prometheus::Family<prometheus::Counter>* requests_ = nullptr;
+  std::array<prometheus::Histogram*, 4> stages_{};
+  prometheus::Histogram* peak_ = nullptr;
+  std::array<prometheus::Counter*, kNumPageFormats> tokens_{};
+  prometheus::Counter* downgrades_ = nullptr;
+};
+
+}  // namespace kvpack::server

@@ -1,0 +1,100 @@
+#include "server/service/options.h"
+
+#include <cstdlib>
+#include <string_view>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvpack::server {
+
+const char* DaemonUsage() {
+  return R"(kvpackd: the kvpack attention daemon
+
+  --listen=ADDR            gRPC address, host:port or unix:PATH (default 127.0.0.1:50051; port 0 picks one)
+  --metrics_address=ADDR   Prometheus /metrics address (default 127.0.0.1:9464; "off" disables)
+  --vram_budget=SIZE       pool budget: bytes (K M G T, Ki Mi Gi Ti suffixes) or a fraction of free memory (0.8)
+  --backend=auto|cpu|cuda  engine; auto and cuda fall back to cpu when no CUDA device answers (default auto)
+  --auth_token_file=F      bearer tokens, one per line "TOKEN [TENANT]"; required off loopback
+  --tls_cert_file=F --tls_key_file=F   serve TLS
+  --threads=N              layers run at once on the daemon's executor (default 2)
+  --cpu_threads=N          threads per layer on the CPU backend (default 0: all cores)
+  --max_queue=N            requests that may wait for memory (default 64)
+  --lease_seconds=S        handles and regions are released S seconds after last use (default 600)
+  --tenant_quota=SIZE      pool bytes one tenant may hold (default 0: none)
+  --max_inline_bytes=SIZE  inline tensor bytes per request (default 16Gi)
+  --drain_seconds=S        on SIGTERM/SIGINT, time in-flight calls get to finish (default 30)
+)";
+}
+
+absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
+  DaemonOptions o;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      o.help = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0) return absl::InvalidArgumentError(absl::StrCat("unexpected argument \"", arg, "\""));
+    std::string name, value;
+    if (auto eq = arg.find('='); eq != std::string::npos) {
+      name = arg.substr(2, eq - 2);
+      value = arg.substr(eq + 1);
+    } else {
+      name = arg.substr(2);
+      if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+      value = argv[++i];
+    }
+    const auto bad = [&](const char* what) {
+      return absl::InvalidArgumentError(absl::StrCat("--", name, "=", value, ": ", what));
+    };
+    const auto to_int = [&](int* out, int lo) -> absl::Status {
+      if (!absl::SimpleAtoi(value, out) || *out < lo) return bad("expected an integer");
+      return absl::OkStatus();
+    };
+    const auto to_double = [&](double* out) -> absl::Status {
+      if (!absl::SimpleAtod(value, out) || !(*out > 0)) return bad("expected a positive number");
+      return absl::OkStatus();
+    };
+    const auto to_size = [&](ByteSize* out, bool allow_zero) -> absl::Status {
+      if (allow_zero && value == "0") {
+        *out = ByteSize{};
+        return absl::OkStatus();
+      }
+      absl::StatusOr<ByteSize> s = ParseByteSize(value);
+      if (!s.ok()) return s.status();
+      *out = *s;
+      return absl::OkStatus();
+    };
+    absl::Status s;
+    if (name == "listen") o.listen = value;
+    else if (name == "metrics_address") o.metrics_address = value;
+    else if (name == "vram_budget") s = to_size(&o.vram_budget, false);
+    else if (name == "backend") o.backend = value;
+    else if (name == "auth_token_file") o.auth_token_file = value;
+    else if (name == "tls_cert_file") o.tls_cert_file = value;
+    else if (name == "tls_key_file") o.tls_key_file = value;
+    else if (name == "threads") s = to_int(&o.threads, 1);
+    else if (name == "cpu_threads") s = to_int(&o.cpu_threads, 0);
+    else if (name == "max_queue") s = to_int(&o.max_queue, 1);
+    else if (name == "lease_seconds") s = to_double(&o.lease_seconds);
+    else if (name == "tenant_quota") s = to_size(&o.tenant_quota, true);
+    else if (name == "max_inline_bytes") s = to_size(&o.max_inline, false);
+    else if (name == "drain_seconds") s = to_double(&o.drain_seconds);
+    else return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
+    if (!s.ok()) return s;
+  }
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("--tls_cert_file and --tls_key_file go together");
+  }
+  return o;
+}
+
+bool IsLoopbackAddress(const std::string& address) {
+  if (address.rfind("unix:", 0) == 0) return true;
+  std::string host = address.substr(0, address.rfind(':'));
+  if (host.rfind("ipv4:", 0) == 0) host = host.substr(5);
+  return host == "localhost" || host == "[::1]" || host.rfind("127.", 0) == 0;
+}
+
+}  // namespace kvpack::server

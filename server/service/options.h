@@ -1,0 +1,35 @@
+// kvpackd's command line (plain argv parsing: --name=value or --name value).
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/core/byte_size.h"
+
+namespace kvpack::server {
+
+struct DaemonOptions {
+  std::string listen = "127.0.0.1:50051";        // host:port or unix:PATH
+  std::string metrics_address = "127.0.0.1:9464";  // host:port; "off" disables
+  ByteSize vram_budget{0, 0.8, true};              // bytes or a fraction of free memory
+  std::string backend = "auto";                    // auto | cpu | cuda
+  std::string auth_token_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  int threads = 2;                 // executor threads (layers running at once)
+  int cpu_threads = 0;             // threads per CPU layer; 0: all cores
+  int max_queue = 64;
+  double lease_seconds = 600;      // handles and regions expire this long after last use
+  ByteSize tenant_quota{0, 0, false};
+  ByteSize max_inline{16ull << 30, 0, false};
+  double drain_seconds = 30;       // SIGTERM: how long in-flight calls may take to finish
+  bool help = false;
+};
+
+absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv);
+const char* DaemonUsage();
+
+// True for 127.0.0.0/8, localhost, [::1] and unix: addresses.
+bool IsLoopbackAddress(const std::string& address);
+
+}  // namespace kvpack::server

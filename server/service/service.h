@@ -1,0 +1,86 @@
+// The gRPC layer of kvpackd (callback API). Thin by design (STYLE.md §11): authorize, validate,
+// convert, hand to the Engine, return the reactor; the executor finishes the call. Every status a
+// client sees goes through ToGrpcStatus, and every finished call is counted in
+// kvpack_requests_total{method, code}.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "kvpack/v1/kvpack.grpc.pb.h"
+#include "server/service/auth.h"
+#include "server/service/engine.h"
+
+namespace kvpack::server {
+
+// Shape limits of one request (INVALID_ARGUMENT naming the field when passed).
+struct ServiceLimits {
+  uint64_t max_inline_bytes = 16ull << 30;  // per request, all inline tensors together
+  int64_t max_tokens = 1 << 22;             // N
+  int max_hidden = 1 << 16;                 // D
+  int max_heads = 1024;                     // H
+};
+
+absl::Status CheckLimits(const LayerShape& shape, const ServiceLimits& limits);
+
+class KvpackService final : public v1::Kvpack::CallbackService {
+ public:
+  KvpackService(Engine* engine, Auth auth, ServiceLimits limits);
+
+  // Flips every later call to UNAVAILABLE (drain) and health to NOT_SERVING.
+  void StartDraining() { draining_ = true; }
+  bool draining() const { return draining_; }
+  Engine& engine() { return *engine_; }
+  const Auth& auth() const { return auth_; }
+  const ServiceLimits& limits() const { return limits_; }
+
+  // The tenant of a call, or why not (auth, draining).
+  absl::StatusOr<std::string> Admit(const grpc::CallbackServerContext& context) const;
+  // Records the finished call in the metrics and converts its status.
+  grpc::Status Finished(const char* method, const absl::Status& status);
+
+  grpc::ServerReadReactor<v1::WeightsRequest>* RegisterWeights(grpc::CallbackServerContext* context,
+                                                               v1::WeightsResponse* response) override;
+  grpc::ServerUnaryReactor* ReleaseWeights(grpc::CallbackServerContext* context, const v1::ReleaseRequest* request,
+                                           v1::ReleaseResponse* response) override;
+  grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* AttentionLayer(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* Project(grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* Attend(grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* ReleaseKv(grpc::CallbackServerContext* context, const v1::ReleaseRequest* request,
+                                      v1::ReleaseResponse* response) override;
+  grpc::ServerUnaryReactor* Plan(grpc::CallbackServerContext* context, const v1::PlanRequest* request,
+                                 v1::PlanResponse* response) override;
+  grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* context, const v1::StatusRequest* request,
+                                   v1::StatusResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* context,
+                                           const v1::RegisterRegionRequest* request,
+                                           v1::RegisterRegionResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterRegion(grpc::CallbackServerContext* context,
+                                             const v1::UnregisterRegionRequest* request,
+                                             v1::UnregisterRegionResponse* response) override;
+  grpc::ServerUnaryReactor* RegionStatus(grpc::CallbackServerContext* context, const v1::RegionStatusRequest* request,
+                                         v1::RegionStatusResponse* response) override;
+  grpc::ServerUnaryReactor* KeepAlive(grpc::CallbackServerContext* context, const v1::KeepAliveRequest* request,
+                                      v1::KeepAliveResponse* response) override;
+
+ private:
+  grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context, const char* method,
+                                        const absl::Status& status);
+
+  Engine* const engine_;
+  const Auth auth_;
+  const ServiceLimits limits_;
+  std::atomic<bool> draining_{false};
+};
+
+// Reactors of the streaming calls (layer_call.cc, weights_call.cc).
+grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* NewLayerCall(KvpackService* service,
+                                                                          grpc::CallbackServerContext* context,
+                                                                          LayerMode mode);
+grpc::ServerReadReactor<v1::WeightsRequest>* NewWeightsCall(KvpackService* service,
+                                                           grpc::CallbackServerContext* context,
+                                                           v1::WeightsResponse* response);
+
+}  // namespace kvpack::server
