@@ -376,23 +376,49 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const
 }
 
 template <int kDim, int kWarps, int kMTiles>
+int DynamicSmem(int max_page_bytes) {
+  return AttentionTraits<kDim, kWarps, kMTiles>::kRawOffset + 4 * max_page_bytes;  // + 2 raw stages × (K + V)
+}
+
+// Raises the kernel's dynamic shared-memory limit to what `max_page_bytes` needs and asks for the
+// whole unified L1/shared array as shared memory (two kTall CTAs of ~93 KB must fit).
+template <int kDim, int kWarps, int kMTiles>
+Error PrepareKernel(int max_page_bytes) {
+  auto kernel = AttentionKernel<kDim, kWarps, kMTiles>;
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          DynamicSmem<kDim, kWarps, kMTiles>(max_page_bytes)));
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  return Error::Ok();
+}
+
+template <int kDim, int kWarps, int kMTiles>
 Error Launch(const AttentionParams& p, cudaStream_t stream) {
   using T = AttentionTraits<kDim, kWarps, kMTiles>;
-  const int smem = T::kRawOffset + 4 * p.max_page_bytes;  // + 2 raw stages × (K + V)
-  auto kernel = AttentionKernel<kDim, kWarps, kMTiles>;
-  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  // All of the unified L1/shared array as shared memory, so two kTall CTAs (2 × ~93 KB) fit.
-  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  KVPACK_RETURN_IF_ERROR((PrepareKernel<kDim, kWarps, kMTiles>(p.max_page_bytes)));
   const dim3 grid(static_cast<unsigned>((p.n_q + kTileQueries - 1) / kTileQueries), static_cast<unsigned>(p.kv.n_heads));
-  kernel<<<grid, T::kThreads, smem, stream>>>(p);
+  AttentionKernel<kDim, kWarps, kMTiles><<<grid, T::kThreads, DynamicSmem<kDim, kWarps, kMTiles>(p.max_page_bytes), stream>>>(p);
   KVPACK_CUDA_RETURN_LAUNCH("attention kernel");
+  return Error::Ok();
+}
+
+// kTall when two of its CTAs fit on an SM with this entry's raw stages (INT4/INT8 pages), else kWide
+// (BF16 pages make the raw stages 64 KiB at d = 128: one kTall CTA of 4 warps would idle the SM).
+template <int kDim>
+Error Resolve(int max_page_bytes, AttentionTilingChoice* resolved) {
+  KVPACK_RETURN_IF_ERROR((PrepareKernel<kDim, 4, 2>(max_page_bytes)));
+  int blocks = 0;
+  KVPACK_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, AttentionKernel<kDim, 4, 2>, AttentionTraits<kDim, 4, 2>::kThreads, DynamicSmem<kDim, 4, 2>(max_page_bytes)));
+  *resolved = blocks >= 2 ? AttentionTilingChoice::kTall : AttentionTilingChoice::kWide;
   return Error::Ok();
 }
 
 // The one place where runtime choices become template arguments.
 template <int kDim>
 Error LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
-  return p.tiling == AttentionTilingChoice::kWide ? Launch<kDim, 8, 1>(p, stream) : Launch<kDim, 4, 2>(p, stream);
+  AttentionTilingChoice tiling = p.tiling;
+  if (tiling == AttentionTilingChoice::kAuto) KVPACK_RETURN_IF_ERROR(Resolve<kDim>(p.max_page_bytes, &tiling));
+  return tiling == AttentionTilingChoice::kWide ? Launch<kDim, 8, 1>(p, stream) : Launch<kDim, 4, 2>(p, stream);
 }
 
 }  // namespace
@@ -408,6 +434,12 @@ Error AttentionSupported(const KvEntryView& kv) {
 int AttentionSharedBytes(int head_dim, int max_page_bytes) {
   const int raw = 2 * 2 * max_page_bytes;  // 2 stages × (K + V); both tilings share the layout
   return head_dim == 128 ? AttentionTraits<128, 4, 2>::kRawOffset + raw : AttentionTraits<64, 4, 2>::kRawOffset + raw;
+}
+
+Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved) {
+  if (head_dim == 128) return Resolve<128>(max_page_bytes, resolved);
+  if (head_dim == 64) return Resolve<64>(max_page_bytes, resolved);
+  return Unsupported("attention: head_dim = " + std::to_string(head_dim));
 }
 
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream) {

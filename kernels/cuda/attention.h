@@ -25,10 +25,11 @@ namespace kvpack::cuda {
 
 inline constexpr int kTileQueries = 128;
 
-// How the 128 query rows of a CTA are split over warps. kTall (default): 4 warps × 32 rows, two CTAs
-// per SM — every K/V fragment read from shared memory feeds two MMAs. kWide: 8 warps × 16 rows, one
-// CTA per SM (the first version, kept for comparison in bench_layer).
-enum class AttentionTilingChoice : uint8_t { kTall = 0, kWide = 1 };
+// How the 128 query rows of a CTA are split over warps. kTall: 4 warps × 32 rows, two CTAs per SM —
+// every K/V fragment read from shared memory feeds two MMAs (H200, N = 32768, INT4: 200 TFLOP/s).
+// kWide: 8 warps × 16 rows, one CTA per SM (166 TFLOP/s there, but 200 with BF16 pages, whose 64 KiB
+// raw stages leave room for only one kTall CTA: 148). kAuto picks kTall when two of its CTAs fit.
+enum class AttentionTilingChoice : uint8_t { kAuto = 0, kTall = 1, kWide = 2 };
 
 struct AttentionParams {
   const uint16_t* q = nullptr;   // bf16 [n_q, H·d], rotated and balanced (R·(q⊙λ))
@@ -41,7 +42,7 @@ struct AttentionParams {
   float softmax_scale = 0.0f;    // already resolved (1/√d when the option is 0)
   bool causal = false;
   int max_page_bytes = 0;        // largest page of the entry's formats (sizes the raw stages)
-  AttentionTilingChoice tiling = AttentionTilingChoice::kTall;
+  AttentionTilingChoice tiling = AttentionTilingChoice::kAuto;
 };
 
 // OK for head_dim 64 / 128 and a non-empty entry.
@@ -49,6 +50,8 @@ Error AttentionSupported(const KvEntryView& kv);
 // Bytes of dynamic shared memory one CTA uses (part of Launch's answer to the planner; no global
 // workspace is needed).
 int AttentionSharedBytes(int head_dim, int max_page_bytes);
+// What kAuto becomes for an entry whose largest page has max_page_bytes (asks the occupancy API).
+Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved);
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream);
 
 }  // namespace kvpack::cuda

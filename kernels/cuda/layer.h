@@ -48,8 +48,8 @@ struct CudaContext {
   cudaStream_t stream = nullptr;      // every launch and copy goes here
   cublasLtHandle_t blas = nullptr;    // REQUIRES: created by the caller (cublasLtCreate)
   StageTimes* times = nullptr;        // optional; filled (accumulated) when non-null, synchronises
-  // The attention kernel's warp tiling (attention.h); both are exact, kTall is the faster one.
-  AttentionTilingChoice attention_tiling = AttentionTilingChoice::kTall;
+  // The attention kernel's warp tiling (attention.h); every choice computes the same function.
+  AttentionTilingChoice attention_tiling = AttentionTilingChoice::kAuto;
 };
 
 // Polled between chunks; returning true stops the call with ErrorCode::kCancelled.

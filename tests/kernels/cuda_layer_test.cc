@@ -90,7 +90,7 @@ struct Case {
   bool transforms = true;
   int64_t projection_chunk = 4096, query_chunk = 4096;
   uint64_t seed = 1;
-  AttentionTilingChoice tiling = AttentionTilingChoice::kTall;
+  AttentionTilingChoice tiling = AttentionTilingChoice::kTall;  // both tilings are tested explicitly
 };
 
 float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
@@ -479,6 +479,60 @@ TEST(CudaLayer, RejectsWhatTheGpuCannotRun) {
   EXPECT_EQ(Supported(c).code(), ErrorCode::kInvalidArgument);  // hidden != H·d
   c.in_place = false;
   EXPECT_TRUE(Supported(c).ok()) << Supported(c).message();
+}
+
+TEST(CudaLayer, MemoryAnswersMatchTheLayoutAndTheCpuBackend) {
+  LayerConfig c;
+  c.shape = {152263, 7168, 56, 128};
+  c.ranges = {{0, 152263, 0, PageFormat::kInt4}};
+  ASSERT_TRUE(Supported(c).ok());
+  EXPECT_EQ(KvBytes(c), PlanKvLayout(c.shape, c.ranges).total_bytes);
+  EXPECT_EQ(KvBytes(c), cpu::KvBytes(c));
+  // H3 scale: the in-place layer (K/V block + workspace) stays under the 1.3 GiB.
+  EXPECT_LT(KvBytes(c) + WorkspaceBytes(c), 1.3 * (1ull << 30));
+  // The workspace holds the cuBLASLt workspace and one [Tp, 2·H·d] bf16 projection chunk.
+  EXPECT_GE(WorkspaceBytes(c), (32ull << 20) + 4096ull * 2 * 7168 * 2);
+  c.projection_chunk = 1024;
+  c.query_chunk = 1024;
+  EXPECT_LT(WorkspaceBytes(c), (32ull << 20) + 4096ull * 2 * 7168 * 2);
+  KvStats wrong;
+  wrong.mu_k.assign(10, 0.0f);
+  c.stats = &wrong;
+  EXPECT_EQ(Supported(c).code(), ErrorCode::kInvalidArgument);
+}
+
+TEST(CudaLayer, CancelStopsBetweenChunks) {
+  SKIP_WITHOUT_GPU();
+  LayerConfig c;
+  c.shape = {300, 128, 2, 64};
+  c.ranges = {{0, 300, 0, PageFormat::kInt4}};
+  c.projection_chunk = 100;
+  DeviceBuffer x(300 * 128 * 2), w(3 * 128 * 128 * 2), out(300 * 128 * 2), kv(KvBytes(c)), ws(WorkspaceBytes(c));
+  ASSERT_CUDA(cudaMemset(x.as<void>(), 0x3c, 300 * 128 * 2));  // 0x3c3c: bf16 ≈ 0.0115, finite
+  ASSERT_CUDA(cudaMemset(w.as<void>(), 0x3c, 3 * 128 * 128 * 2));
+  LayerTensors t;
+  t.x = x.as<uint16_t>(), t.w_qkv = w.as<uint16_t>(), t.out = out.as<uint16_t>();
+  CudaContext ctx;
+  ASSERT_CUDA(cudaStreamCreate(&ctx.stream));
+  ASSERT_EQ(cublasLtCreate(&ctx.blas), CUBLAS_STATUS_SUCCESS);
+  int polls = 0;
+  const Error e = RunLayer(c, t, kv.as<uint8_t>(), ws.as<uint8_t>(), ctx, [&] { return ++polls == 2; });
+  EXPECT_EQ(e.code(), ErrorCode::kCancelled) << e.message();
+  EXPECT_EQ(polls, 2);
+  ASSERT_CUDA(cudaStreamSynchronize(ctx.stream));
+  cublasLtDestroy(ctx.blas);
+  cudaStreamDestroy(ctx.stream);
+}
+
+TEST(CudaLayer, AutoTilingPrefersTallUnlessBf16PagesCrowdTheSm) {
+  SKIP_WITHOUT_GPU();
+  AttentionTilingChoice t;
+  ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kInt4, 128), &t));
+  EXPECT_EQ(t, AttentionTilingChoice::kTall);
+  ASSERT_OK(ResolveAttentionTiling(64, PageBytes(PageFormat::kBf16, 64), &t));
+  EXPECT_EQ(t, AttentionTilingChoice::kTall);
+  ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kBf16, 128), &t));
+  EXPECT_EQ(t, AttentionTilingChoice::kWide);
 }
 
 TEST(CudaLayer, Int4OneSequence) {
