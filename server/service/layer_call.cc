@@ -333,6 +333,11 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
 
   // On an executor thread (or the scheduler's pump on reject).
   void OnJobDone(absl::Status status) {
+    // Handles and regions are let go before the client hears back, so a release it sends next frees
+    // their memory at once.
+    job_->weights.reset();
+    job_->kv_in.reset();
+    job_->regions.clear();
     if (!status.ok()) {
       if (status.code() == absl::StatusCode::kCancelled && !job_->cancelled && absl::Now() >= job_->deadline) {
         status = absl::DeadlineExceededError(status.message());
@@ -351,8 +356,6 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     sec->set_transfer(upload_seconds_);
     if (out_inline_ != nullptr) result->set_output_bytes(job_->out_bytes);
     download_start_ = absl::Now();
-    // Inputs and regions are no longer needed once the output is in hand.
-    job_->regions.clear();
     StartWrite(&out_);
   }
 

@@ -86,7 +86,7 @@ class Metrics::GaugeCollectable final : public prometheus::Collectable {
     AddGauge(&handles, v.kv_handles, {{"kind", "kv"}});
     out.push_back(std::move(handles));
     auto info = GaugeFamily("kvpack_build_info", "Which build and backend serve");
-    AddGauge(&info, 1.0, {{"version", version_}, {"backend", backend_}});
+    AddGauge(&info, 1.0, {{"backend", backend_}, {"version", version_}});
     out.push_back(std::move(info));
     return out;
   }

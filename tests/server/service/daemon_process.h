@@ -1,0 +1,144 @@
+// Test helper: starts the REAL kvpackd binary on loopback with ephemeral ports, waits for its
+// "listening on … (port P), metrics port M" line, and stops it with SIGTERM (checking that it
+// drains and exits 0). Also a minimal HTTP GET for /metrics.
+#pragma once
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/client.h"
+
+#ifndef KVPACKD_PATH
+#error "KVPACKD_PATH must name the kvpackd binary"
+#endif
+
+namespace kvpack::testing {
+
+class DaemonProcess {
+ public:
+  // Extra flags are appended to --listen=127.0.0.1:0 --metrics_address=127.0.0.1:0 --cpu_threads=1.
+  explicit DaemonProcess(std::vector<std::string> flags) {
+    int out[2];
+    if (pipe(out) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      close(out[1]);
+      std::vector<std::string> args = {KVPACKD_PATH, "--listen=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+                                       "--cpu_threads=1"};
+      args.insert(args.end(), flags.begin(), flags.end());
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    close(out[1]);
+    std::string line;
+    char c;
+    while (read(out[0], &c, 1) == 1 && c != '\n') line += c;
+    close(out[0]);
+    std::smatch m;
+    if (std::regex_search(line, m, std::regex(R"(\(port (\d+)\), metrics port (\d+))"))) {
+      port_ = std::stoi(m[1]);
+      metrics_port_ = std::stoi(m[2]);
+    }
+  }
+
+  ~DaemonProcess() {
+    if (pid_ > 0 && !stopped_) Stop();
+  }
+
+  bool ok() const { return port_ > 0; }
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }
+  pid_t pid() const { return pid_; }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+
+  std::unique_ptr<client::Client> Connect(const std::string& tenant = "", const std::string& token = "",
+                                          absl::Duration timeout = absl::Seconds(60)) const {
+    client::ClientOptions o;
+    o.address = address();
+    o.tenant = tenant;
+    o.token = token;
+    o.timeout = timeout;
+    return std::move(*client::Client::Connect(o));
+  }
+
+  // SIGTERM, then wait; returns the exit status (0 after a clean drain).
+  int Stop() {
+    stopped_ = true;
+    kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+
+  std::string Metrics() const { return HttpGet(metrics_port_, "/metrics"); }
+
+  static std::string HttpGet(int port, const std::string& path) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      close(fd);
+      return "";
+    }
+    const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+    if (write(fd, req.data(), req.size()) < 0) return "";
+    std::string body;
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(fd, buf, sizeof(buf))) > 0) body.append(buf, static_cast<size_t>(n));
+    close(fd);
+    return body;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  int metrics_port_ = 0;
+  bool stopped_ = false;
+};
+
+// The value of one sample in Prometheus text format, e.g. Sample(text, "kvpack_pool_bytes{state=\"weights\"}").
+inline double Sample(const std::string& text, const std::string& series) {
+  size_t pos = 0;
+  while ((pos = text.find(series, pos)) != std::string::npos) {
+    const bool line_start = pos == 0 || text[pos - 1] == '\n';
+    const size_t after = pos + series.size();
+    if (line_start && after < text.size() && text[after] == ' ') return std::stod(text.substr(after + 1));
+    pos = after;
+  }
+  return -1;
+}
+
+// Polls `pred` every 20 ms up to `timeout`.
+template <typename Pred>
+bool WaitFor(Pred pred, std::chrono::milliseconds timeout = std::chrono::milliseconds(10000)) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return pred();
+}
+
+}  // namespace kvpack::testing
