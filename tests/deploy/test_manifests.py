@@ -205,3 +205,14 @@ def test_systemd_unit_verifies(tmp_path, name, instance):
     r = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--threshold=25", target],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kustomization_builds():
+    """kubectl kustomize (offline) renders the kustomization into the objects it lists."""
+    r = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(r.stdout) if d)
+    assert kinds == sorted(["Namespace", "ConfigMap", "DaemonSet", "Service", "ServiceMonitor",
+                            "PrometheusRule"])
