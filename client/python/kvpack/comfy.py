@@ -138,7 +138,12 @@ class KvpackAttentionNode:
         from kvpack.client import Client
         from kvpack.torch import QkvAttention
 
-        client = Client(target, token=token or None)
+        # KVPACK_TOKEN / KVPACK_TOKEN_FILE / KVPACK_TENANT from ComfyUI's environment apply
+        # unless the node sets them.
+        overrides = {"target": target} if target else {}
+        if token:
+            overrides["token"] = token
+        client = Client.from_env(**overrides)
         hook = AttentionOverride(QkvAttention(client, formats=tuple(formats.split(","))),
                                  min_tokens=min_tokens)
         patched = model.clone()
