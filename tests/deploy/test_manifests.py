@@ -216,3 +216,19 @@ def test_kustomization_builds():
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(r.stdout) if d)
     assert kinds == sorted(["Namespace", "ConfigMap", "DaemonSet", "Service", "ServiceMonitor",
                             "PrometheusRule"])
+
+
+def test_frontend_example_points_at_the_daemon(objects):
+    doc = yaml.safe_load((K8S / "examples" / "frontend.yaml").read_text())
+    spec = doc["spec"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in spec["containers"][0]["env"]}
+    svc = objects[("Service", "kvpackd")]
+    grpc_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    assert env["KVPACK_TARGET"] == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}" \
+                                   f".svc:{grpc_port}"
+    secret = next(v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v)
+    assert (("Secret", secret)) in objects
+    mount = spec["containers"][0]["volumeMounts"][0]["mountPath"]
+    assert env["KVPACK_TOKEN_FILE"] == f"{mount}/token"
+    ds_nodes = objects[("DaemonSet", "kvpackd")]["spec"]["template"]["spec"]["nodeSelector"]
+    assert spec["nodeSelector"] == ds_nodes, "frontends only where a daemon runs"
