@@ -205,3 +205,30 @@ def test_systemd_unit_verifies(tmp_path, name, instance):
     r = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--threshold=25", target],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kustomization_builds():
+    """kubectl kustomize (offline) renders the kustomization into the objects it lists."""
+    r = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(r.stdout) if d)
+    assert kinds == sorted(["Namespace", "ConfigMap", "DaemonSet", "Service", "ServiceMonitor",
+                            "PrometheusRule"])
+
+
+def test_frontend_example_points_at_the_daemon(objects):
+    doc = yaml.safe_load((K8S / "examples" / "frontend.yaml").read_text())
+    spec = doc["spec"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in spec["containers"][0]["env"]}
+    svc = objects[("Service", "kvpackd")]
+    grpc_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    assert env["KVPACK_TARGET"] == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}" \
+                                   f".svc:{grpc_port}"
+    secret = next(v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v)
+    assert (("Secret", secret)) in objects
+    mount = spec["containers"][0]["volumeMounts"][0]["mountPath"]
+    assert env["KVPACK_TOKEN_FILE"] == f"{mount}/token"
+    ds_nodes = objects[("DaemonSet", "kvpackd")]["spec"]["template"]["spec"]["nodeSelector"]
+    assert spec["nodeSelector"] == ds_nodes, "frontends only where a daemon runs"

@@ -32,7 +32,7 @@ def test_alerts_have_severity_and_text():
     alerts = [r for r in rules() if "alert" in r]
     assert {a["alert"] for a in alerts} >= {
         "KvpackDaemonDown", "KvpackDaemonAbsent", "KvpackPoolNearlyFull", "KvpackQueueBacklog",
-        "KvpackHighErrorRate", "KvpackPrecisionDowngrades"}
+        "KvpackHighErrorRate", "KvpackPrecisionDowngrades", "KvpackGpuMemoryLow"}
     for a in alerts:
         assert a["labels"]["severity"] in {"critical", "warning", "info"}
         assert a["annotations"]["summary"] and a["annotations"]["description"]

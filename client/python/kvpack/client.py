@@ -14,6 +14,8 @@ references into registered shared-memory / CUDA IPC regions.
 Thread-safe: one Client (one channel) may serve several threads.
 """
 
+import os
+
 import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -60,6 +62,22 @@ class Client:
             self._metadata.append(("authorization", f"Bearer {token}"))
         if tenant:
             self._metadata.append(("x-kvpack-tenant", tenant))
+
+    @classmethod
+    def from_env(cls, **kwargs):
+        """A client configured by the environment, as a pod or a service unit sets it:
+        KVPACK_TARGET (default the local socket), KVPACK_TOKEN or KVPACK_TOKEN_FILE (the first
+        word of its first line, the daemon's "TOKEN [TENANT]" format), KVPACK_TENANT.
+        Keyword arguments override."""
+        token = os.environ.get("KVPACK_TOKEN")
+        if not token and os.environ.get("KVPACK_TOKEN_FILE"):
+            with open(os.environ["KVPACK_TOKEN_FILE"]) as f:
+                words = f.readline().split()
+            token = words[0] if words else None
+        settings = dict(target=os.environ.get("KVPACK_TARGET", DEFAULT_TARGET), token=token,
+                        tenant=os.environ.get("KVPACK_TENANT"))
+        settings.update(kwargs)
+        return cls(settings.pop("target"), **settings)
 
     # ── plumbing ────────────────────────────────────────────────────────────────────────────
 

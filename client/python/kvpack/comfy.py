@@ -109,3 +109,48 @@ class AttentionOverride:
         with self._lock:
             self.calls["kvpack"] += 1
         return from_tokens_major(out, skip_output_reshape).to(q.dtype)
+
+
+# ── ComfyUI node ────────────────────────────────────────────────────────────────────────────────
+# To install, put a folder in ComfyUI/custom_nodes/ whose __init__.py says
+#     from kvpack.comfy import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+# with the kvpack package installed in ComfyUI's Python.
+
+class KvpackAttentionNode:
+    """MODEL -> MODEL whose self-attention runs through kvpackd (original attention as fallback)."""
+
+    CATEGORY = "advanced/attention"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL",),
+            "target": ("STRING", {"default": "unix:///run/kvpackd/kvpackd.sock"}),
+            "formats": (["int8,int4", "int4", "int8", "bf16,int8,int4"],),
+            "min_tokens": ("INT", {"default": 1024, "min": 1, "max": 1 << 24}),
+        }, "optional": {
+            "token": ("STRING", {"default": ""}),
+        }}
+
+    def patch(self, model, target, formats, min_tokens, token=""):
+        from kvpack.client import Client
+        from kvpack.torch import QkvAttention
+
+        # KVPACK_TOKEN / KVPACK_TOKEN_FILE / KVPACK_TENANT from ComfyUI's environment apply
+        # unless the node sets them.
+        overrides = {"target": target} if target else {}
+        if token:
+            overrides["token"] = token
+        client = Client.from_env(**overrides)
+        hook = AttentionOverride(QkvAttention(client, formats=tuple(formats.split(","))),
+                                 min_tokens=min_tokens)
+        patched = model.clone()
+        options = patched.model_options.setdefault("transformer_options", {})
+        options["optimized_attention_override"] = hook
+        return (patched,)
+
+
+NODE_CLASS_MAPPINGS = {"KvpackAttention": KvpackAttentionNode}
+NODE_DISPLAY_NAME_MAPPINGS = {"KvpackAttention": "kvpack attention (kvpackd)"}

@@ -164,3 +164,20 @@ def test_inputs_are_validated_before_sending(client):
     with pytest.raises(ValueError, match="output"):
         client.attention_layer(x, "w", n_heads=H, head_dim=D_HEAD, ranges=[Range(0, 7)],
                                output="somewhere")
+
+
+def test_from_env(monkeypatch, tmp_path):
+    with FakeDaemon(token="0123456789abcdef-token") as d:
+        token_file = tmp_path / "token"
+        token_file.write_text("0123456789abcdef-token team-b\n")
+        monkeypatch.setenv("KVPACK_TARGET", d.target)
+        monkeypatch.setenv("KVPACK_TOKEN_FILE", str(token_file))
+        monkeypatch.setenv("KVPACK_TENANT", "team-b")
+        monkeypatch.delenv("KVPACK_TOKEN", raising=False)
+        with kvpack.Client.from_env(timeout=5) as c:
+            assert c.status().serving
+        assert d.service.tenants[-1] == "team-b"
+        monkeypatch.setenv("KVPACK_TOKEN", "wrong-token-wrong-token")
+        with kvpack.Client.from_env(timeout=5) as c:
+            with pytest.raises(kvpack.Unauthenticated):
+                c.status()

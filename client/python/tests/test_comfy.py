@@ -112,3 +112,26 @@ def test_extra_kwargs_reach_the_original():
     q, k, v = inputs("bnhd_flat")
     hook(orig, q, k, v, H, transformer_options={"x": 1}, _inside_attn_wrapper=True)
     assert seen["transformer_options"] == {"x": 1} and seen["_inside_attn_wrapper"] is True
+
+
+def test_node_patches_a_clone_of_the_model():
+    from kvpack.comfy import NODE_CLASS_MAPPINGS
+
+    class Model:
+        def __init__(self):
+            self.model_options = {"transformer_options": {"other": 1}}
+
+        def clone(self):
+            m = Model()
+            m.model_options = {k: dict(v) for k, v in self.model_options.items()}
+            return m
+
+    node = NODE_CLASS_MAPPINGS["KvpackAttention"]()
+    assert "model" in node.INPUT_TYPES()["required"]
+    original = Model()
+    (patched,) = node.patch(original, "127.0.0.1:1", "int8,int4", 4096)
+    hook = patched.model_options["transformer_options"]["optimized_attention_override"]
+    assert isinstance(hook, AttentionOverride) and hook.min_tokens == 4096
+    assert hook.attend.formats == ("int8", "int4")
+    assert patched.model_options["transformer_options"]["other"] == 1
+    assert "optimized_attention_override" not in original.model_options["transformer_options"]
