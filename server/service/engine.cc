@@ -74,9 +74,10 @@ absl::Status Engine::CheckQuota(const std::string& tenant, uint64_t bytes) const
 absl::StatusOr<LayerPlan> Engine::Plan(const std::string& tenant, const LayerRequest& request,
                                        const KvEntry* kv) const {
   const uint64_t capacity = CapacityFor(tenant);
-  if (kv == nullptr) return PlanLayer(request, capacity, Costs());
-  // Attend: the entry fixes the formats, and its bytes are already held.
   LayerRequest fixed = request;
+  fixed.max_chunk = options_.max_chunk_tokens;
+  if (kv == nullptr) return PlanLayer(fixed, capacity, Costs());
+  // Attend: the entry fixes the formats, and its bytes are already held.
   for (size_t i = 0; i < fixed.ranges.size() && i < kv->config.ranges.size(); ++i) {
     fixed.ranges[i].allowed = {kv->config.ranges[i].format};
   }

@@ -36,6 +36,7 @@ struct EngineOptions {
   SchedulerOptions scheduler;
   int executor_threads = 1;
   absl::Duration lease = absl::Minutes(10);
+  int64_t max_chunk_tokens = 16384;  // cap on Tp and Tq: the CPU backend stops between chunks
   uint64_t tenant_quota_bytes = 0;  // 0: none; caps each tenant's pool bytes (weights, kept K/V, plans)
   std::string version = "0.1.0";
 };
