@@ -189,6 +189,7 @@ TEST_F(DaemonTest, SharedMemoryRegionsForInputAndOutput) {
   v1::RegisterRegionRequest ipc;
   ipc.set_kind(v1::REGION_CUDA_IPC);
   ipc.set_cuda_ipc_handle(std::string(64, '\1'));
+  ipc.set_size_bytes(1 << 20);
   v1::RegisterRegionResponse ipc_response;
   EXPECT_EQ(c->stub()->RegisterRegion(&ctx, ipc, &ipc_response).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   ASSERT_TRUE(c->ReleaseWeights(w->handle()).ok());
