@@ -35,7 +35,8 @@ commands:
 layer flags: --tokens N (1000) --hidden D (256) --heads H (4) --head_dim d (64)
   --ranges "LEN:FMT|FMT[@SEQ],..." (one range, int8|int4) --causal --rope --qk_norm --bias --seed S
   --priority P --keep_kv
-bench flags: --iterations N (8) --concurrency C (1) --transfer_mib M
+bench flags: --iterations N (8) --concurrency C (1) --transfer_mib M (inline upload GB/s)
+  --rpc plan|status (round-trip latency of Plan for the layer flags, or of Status)
 )";
 
 struct Args {
@@ -48,6 +49,7 @@ struct Args {
   int iterations = 8;
   int concurrency = 1;
   int transfer_mib = 0;
+  std::string rpc;  // bench --rpc plan|status: round-trip latency of a small RPC
 };
 
 int Usage(const std::string& error) {
@@ -111,6 +113,7 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
     else if (name == "iterations") num(&a->iterations);
     else if (name == "concurrency") num(&a->concurrency);
     else if (name == "transfer_mib") num(&a->transfer_mib);
+    else if (name == "rpc") a->rpc = value;
     else {
       *error = "unknown flag --" + name;
       return false;
@@ -289,8 +292,30 @@ int TransferBench(Client& c, const Args& a) {
   return 0;
 }
 
+int RpcBench(Client& c, const Args& a) {
+  const SyntheticLayer L = MakeSyntheticLayer(a.spec);
+  v1::PlanRequest req;
+  *req.mutable_header() = L.header;
+  req.set_has_bias(a.spec.bias);
+  if (a.spec.qk_norm) req.mutable_header()->mutable_options()->mutable_qk_norm()->set_weight_len(a.spec.head_dim);
+  std::vector<double> ms;
+  for (int i = 0; i < std::max(1, a.iterations); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const absl::Status s = a.rpc == "plan" ? c.Plan(req).status() : c.Status().status();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    if (!s.ok()) return Fail(s);
+  }
+  std::sort(ms.begin(), ms.end());
+  const auto pct = [&](double p) { return ms[std::min(ms.size() - 1, static_cast<size_t>(p * (ms.size() - 1) + 0.5))]; };
+  std::printf("%s round trip over %zu calls: p50 %.3f ms, p90 %.3f ms, p99 %.3f ms, min %.3f ms\n", a.rpc.c_str(),
+              ms.size(), pct(0.5), pct(0.9), pct(0.99), ms.front());
+  return 0;
+}
+
 int Bench(Client& c, const Args& a) {
   if (a.transfer_mib > 0) return TransferBench(c, a);
+  if (a.rpc == "plan" || a.rpc == "status") return RpcBench(c, a);
+  if (!a.rpc.empty()) return Usage("--rpc takes plan or status");
   const SyntheticLayer L = MakeSyntheticLayer(a.spec);
   absl::StatusOr<std::string> handle = Register(c, L);
   if (!handle.ok()) return Fail(handle.status());

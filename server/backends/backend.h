@@ -63,6 +63,21 @@ class Backend {
   // Whether tensors in host memory (inline uploads, shm regions) can be passed straight to Run.
   virtual bool ReadsHostMemory() const = 0;
 
+  // Opens a CUDA IPC memory handle (the 64 bytes of a cudaIpcMemHandle_t) exported by a process on the
+  // same host, `size` bytes from its base, on CUDA device `device`. `close` unmaps it
+  // (cudaIpcCloseMemHandle). FAILED_PRECONDITION on backends without CUDA.
+  struct IpcMapping {
+    uint8_t* base = nullptr;
+    std::function<void(uint8_t*, uint64_t)> close;
+  };
+  virtual absl::StatusOr<IpcMapping> OpenIpcRegion(const std::string& handle, int device, uint64_t size) {
+    (void)handle;
+    (void)device;
+    (void)size;
+    return absl::FailedPreconditionError("kind: CUDA IPC regions need the CUDA backend; this daemon serves on the " +
+                                         name() + " backend");
+  }
+
   // False after a sticky device error.
   virtual bool Healthy() const { return true; }
 };

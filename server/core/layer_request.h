@@ -25,6 +25,7 @@ struct LayerRequest {
   AttentionOptions attention;
   bool has_bias = false;
   bool in_place = false;
+  int64_t max_chunk = 0;  // cap on Tp and Tq (tokens); 0: none. Smaller chunks cancel sooner.
 };
 
 // The kernels' config of `request` with one format per range and the given chunk sizes.

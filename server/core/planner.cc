@@ -1,6 +1,7 @@
 #include "server/core/planner.h"
 
 #include <algorithm>
+#include <iterator>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -113,6 +114,7 @@ absl::StatusOr<LayerPlan> PlanLayer(const LayerRequest& request, uint64_t capaci
   // Chunk candidates: kChunkSizes clamped to N, deduplicated, largest first.
   std::vector<int64_t> chunks;
   for (int64_t c : kChunkSizes) {
+    if (request.max_chunk > 0 && c > request.max_chunk && c != kChunkSizes[std::size(kChunkSizes) - 1]) continue;
     const int64_t clamped = std::min<int64_t>(c, request.shape.n_tokens);
     if (chunks.empty() || chunks.back() != clamped) chunks.push_back(clamped);
   }

@@ -4,7 +4,7 @@
 //
 // Preference, in order:
 //   1. the highest precision each range allows (its first allowed format);
-//   2. the largest chunks (Tp = Tq from kChunkSizes, clamped to N).
+//   2. the largest chunks (Tp = Tq from kChunkSizes, clamped to N and to request.max_chunk).
 // When the best formats do not fit even at the smallest chunk, ranges step down their allowed lists
 // one step at a time, the step that saves the most bytes first (ties: lower range index), never
 // below the last allowed format. When the floor (every range at its last format, smallest chunk)

@@ -36,6 +36,7 @@ struct EngineOptions {
   SchedulerOptions scheduler;
   int executor_threads = 1;
   absl::Duration lease = absl::Minutes(10);
+  int64_t max_chunk_tokens = 16384;  // cap on Tp and Tq: the CPU backend stops between chunks
   uint64_t tenant_quota_bytes = 0;  // 0: none; caps each tenant's pool bytes (weights, kept K/V, plans)
   std::string version = "0.1.0";
 };
@@ -108,6 +109,9 @@ class Engine {
   bool Healthy() const { return backend_->Healthy(); }
 
  private:
+  // Backend KvBytes, remembered: the same layer is planned every diffusion step, and laying out
+  // every page of every head costs ~1 ms at N = 152k, H = 56.
+  uint64_t CachedKvBytes(const LayerConfig& config) const;
   void Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reservation);
   absl::Status RunLocked(LayerJob& job, Pool::Reservation& reservation);
 
@@ -118,6 +122,9 @@ class Engine {
   Registry registry_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<Metrics> metrics_;
+  static constexpr size_t kKvCacheEntries = 256;
+  mutable std::mutex kv_cache_mu_;
+  mutable std::map<std::string, uint64_t> kv_cache_;
   mutable std::mutex mu_;
   std::map<std::string, int> running_;  // by tenant
   int running_total_ = 0;

@@ -339,9 +339,6 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     job_->kv_in.reset();
     job_->regions.clear();
     if (!status.ok()) {
-      if (status.code() == absl::StatusCode::kCancelled && !job_->cancelled && absl::Now() >= job_->deadline) {
-        status = absl::DeadlineExceededError(status.message());
-      }
       FinishOnce(status);
       return;
     }
@@ -376,11 +373,19 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     StartWrite(&out_);
   }
 
-  void FinishOnce(const absl::Status& status) {
+  void FinishOnce(absl::Status status) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (finished_) return;
       finished_ = true;
+    }
+    // A client whose deadline passes cancels the call (RST_STREAM) a little before the daemon's copy
+    // of the deadline (computed from grpc-timeout on arrival) passes; name that cause.
+    constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(100);
+    if (status.code() == absl::StatusCode::kCancelled &&
+        context_->deadline() != std::chrono::system_clock::time_point::max() &&
+        absl::Now() >= absl::FromChrono(context_->deadline()) - kDeadlineSlack) {
+      status = absl::DeadlineExceededError(status.message());
     }
     Finish(service_->Finished(method_, status));
   }

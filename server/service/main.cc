@@ -86,6 +86,7 @@ int Main(int argc, char** argv) {
   if (eo.budget_bytes == 0) return Fail("--vram_budget resolves to 0 bytes");
   eo.scheduler.max_queue = static_cast<size_t>(o.max_queue);
   eo.executor_threads = o.threads;
+  eo.max_chunk_tokens = o.max_chunk_tokens;
   eo.lease = absl::Seconds(o.lease_seconds);
   eo.tenant_quota_bytes = o.tenant_quota.bytes;
   eo.version = kVersion;

@@ -20,6 +20,8 @@ const char* DaemonUsage() {
   --threads=N              layers run at once on the daemon's executor (default 2)
   --cpu_threads=N          threads per layer on the CPU backend (default 0: all cores)
   --max_queue=N            requests that may wait for memory (default 64)
+  --max_chunk_tokens=N     largest projection/query chunk the planner picks (default 16384; smaller
+                           chunks stop sooner on cancel and interleave layers more finely)
   --lease_seconds=S        handles and regions are released S seconds after last use (default 600)
   --tenant_quota=SIZE      pool bytes one tenant may hold (default 0: none)
   --max_inline_bytes=SIZE  inline tensor bytes per request (default 16Gi)
@@ -77,6 +79,7 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
     else if (name == "threads") s = to_int(&o.threads, 1);
     else if (name == "cpu_threads") s = to_int(&o.cpu_threads, 0);
     else if (name == "max_queue") s = to_int(&o.max_queue, 1);
+    else if (name == "max_chunk_tokens") s = to_int(&o.max_chunk_tokens, 64);
     else if (name == "lease_seconds") s = to_double(&o.lease_seconds);
     else if (name == "tenant_quota") s = to_size(&o.tenant_quota, true);
     else if (name == "max_inline_bytes") s = to_size(&o.max_inline, false);

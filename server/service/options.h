@@ -19,6 +19,7 @@ struct DaemonOptions {
   int threads = 2;                 // executor threads (layers running at once)
   int cpu_threads = 0;             // threads per CPU layer; 0: all cores
   int max_queue = 64;
+  int max_chunk_tokens = 16384;    // cap on the planner's chunk sizes
   double lease_seconds = 600;      // handles and regions expire this long after last use
   ByteSize tenant_quota{0, 0, false};
   ByteSize max_inline{16ull << 30, 0, false};

@@ -169,11 +169,25 @@ grpc::ServerUnaryReactor* KvpackService::RegisterRegion(grpc::CallbackServerCont
       engine_->registry().AddRegion(std::move(*region));
       return FinishUnary(context, kMethod, absl::OkStatus());
     }
-    case v1::REGION_CUDA_IPC:
-      return FinishUnary(context, kMethod,
-                         absl::FailedPreconditionError(absl::StrCat(
-                             "kind: CUDA IPC regions need the CUDA backend; this daemon serves on the ",
-                             engine_->backend().name(), " backend")));
+    case v1::REGION_CUDA_IPC: {
+      if (request->cuda_ipc_handle().size() != 64) {
+        return FinishUnary(context, kMethod,
+                           absl::InvalidArgumentError(absl::StrCat("cuda_ipc_handle: ", request->cuda_ipc_handle().size(),
+                                                                   " bytes, expected the 64 of a cudaIpcMemHandle_t")));
+      }
+      if (request->size_bytes() == 0) {
+        return FinishUnary(context, kMethod, absl::InvalidArgumentError("size_bytes: must be positive"));
+      }
+      absl::StatusOr<Backend::IpcMapping> mapping =
+          engine_->backend().OpenIpcRegion(request->cuda_ipc_handle(), request->device(), request->size_bytes());
+      if (!mapping.ok()) return FinishUnary(context, kMethod, mapping.status());
+      auto region = std::make_shared<Region>(Registry::NewId("r-"), *tenant, RegionKind::kCudaIpc, "", mapping->base,
+                                             request->size_bytes(), std::move(mapping->close));
+      response->set_region_id(region->id());
+      response->set_lease_seconds(absl::ToDoubleSeconds(engine_->registry().lease()));
+      engine_->registry().AddRegion(std::move(region));
+      return FinishUnary(context, kMethod, absl::OkStatus());
+    }
     default:
       return FinishUnary(context, kMethod,
                          absl::InvalidArgumentError(absl::StrCat("kind = ", request->kind(), ": expected REGION_SHM or REGION_CUDA_IPC")));

@@ -135,6 +135,15 @@ TEST(Planner, RejectsBadRequestsNamingTheField) {
   EXPECT_NE(p.status().message().find("head_dim"), std::string::npos);
 }
 
+TEST(Planner, MaxChunkCapsChunks) {
+  LayerRequest r = ThreeRanges();
+  r.max_chunk = 1000;
+  absl::StatusOr<LayerPlan> p = PlanLayer(r, 1ull << 40, TestCosts());
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->projection_chunk, 512);
+  EXPECT_EQ(p->query_chunk, 512);
+}
+
 TEST(Planner, IoBytesCount) {
   PlannerCosts costs = TestCosts();
   costs.io_bytes = [](const LayerConfig& c) { return static_cast<uint64_t>(c.shape.n_tokens) * c.shape.hidden * 4; };

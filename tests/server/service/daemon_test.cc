@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <thread>
 
 #include "tests/server/service/daemon_process.h"
 #include "tests/server/service/test_layers.h"
@@ -188,9 +189,43 @@ TEST_F(DaemonTest, SharedMemoryRegionsForInputAndOutput) {
   v1::RegisterRegionRequest ipc;
   ipc.set_kind(v1::REGION_CUDA_IPC);
   ipc.set_cuda_ipc_handle(std::string(64, '\1'));
+  ipc.set_size_bytes(1 << 20);
   v1::RegisterRegionResponse ipc_response;
   EXPECT_EQ(c->stub()->RegisterRegion(&ctx, ipc, &ipc_response).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   ASSERT_TRUE(c->ReleaseWeights(w->handle()).ok());
+}
+
+TEST_F(DaemonTest, UnregisteringARegionInUseWaitsForItsRequests) {
+  auto c = daemon_.Connect();
+  client::SyntheticSpec spec = SmallSpec(6);
+  spec.n_tokens = 1500;
+  spec.ranges = {{1500, 0, {v1::FORMAT_INT4}}};
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(spec);
+  absl::StatusOr<v1::WeightsResponse> w = c->RegisterWeights(WeightsOf(L));
+  ASSERT_TRUE(w.ok());
+  auto shm = client::SharedMemory::Create(L.x.size() * 2);
+  ASSERT_TRUE(shm.ok());
+  std::memcpy((*shm)->data(), L.x.data(), L.x.size() * 2);
+  absl::StatusOr<std::string> region = c->RegisterShmRegion((*shm)->name(), (*shm)->size());
+  ASSERT_TRUE(region.ok());
+  v1::LayerHeader h = L.header;
+  h.set_weights_handle(w->handle());
+  h.mutable_x()->mutable_region()->set_region_id(*region);
+  h.mutable_x()->mutable_region()->set_size_bytes(L.x.size() * 2);
+  std::vector<uint16_t> out(L.out_bytes() / 2);
+  absl::StatusOr<v1::LayerResult> r;
+  std::thread call([&] { r = c->AttentionLayer(h, client::LayerData{nullptr, L.positions.data(), out.data(), L.out_bytes()}); });
+  ASSERT_TRUE(WaitFor([&] {
+    absl::StatusOr<v1::RegionStatusResponse> rs = c->RegionStatus(*region);
+    return rs.ok() && rs->regions(0).users() == 1;
+  }));
+  const absl::Status unregistered = c->UnregisterRegion(*region);  // returns once the layer lets go
+  EXPECT_TRUE(unregistered.ok()) << unregistered;
+  EXPECT_EQ(c->Status()->running(), 0);  // the layer had finished computing
+  EXPECT_EQ(c->RegionStatus(*region).status().code(), absl::StatusCode::kNotFound);
+  call.join();
+  EXPECT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(c->Status()->shm_regions(), 0);
 }
 
 TEST_F(DaemonTest, InPlaceOutputStreamsBack) {

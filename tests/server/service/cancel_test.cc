@@ -1,0 +1,113 @@
+// Cancellation and deadlines: while a request waits for memory and while it runs. Its memory is
+// freed, the daemon keeps serving.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "tests/server/service/daemon_process.h"
+#include "tests/server/service/test_layers.h"
+
+namespace kvpack::testing {
+namespace {
+
+// A layer of 3000 tokens in chunks of 256: ~0.5 s on one CPU thread, long enough to be caught mid-way.
+client::SyntheticSpec LongSpec() {
+  client::SyntheticSpec s = SmallSpec(31);
+  s.n_tokens = 3000;
+  s.ranges = {{3000, 0, {v1::FORMAT_INT4}}};
+  return s;
+}
+
+class CancelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    L_ = client::MakeSyntheticLayer(LongSpec());
+    // Room for two tenants' weights and one long layer at a time.
+    const uint64_t budget = 2 * WeightsPoolBytes(L_) + LayerPeakBytes(L_, 256) * 3 / 2;
+    daemon_ = std::make_unique<DaemonProcess>(std::vector<std::string>{"--vram_budget=" + std::to_string(budget),
+                                                                          "--max_chunk_tokens=256"});
+    ASSERT_TRUE(daemon_->ok());
+    c_ = daemon_->Connect();
+    absl::StatusOr<v1::WeightsResponse> w = c_->RegisterWeights(WeightsOf(L_));
+    ASSERT_TRUE(w.ok()) << w.status();
+    weights_ = *w;
+    header_ = L_.header;
+    header_.set_weights_handle(w->handle());
+  }
+  // Back to the weights alone, nothing running or queued.
+  bool Idle() {
+    absl::StatusOr<v1::StatusResponse> s = c_->Status();
+    return s.ok() && s->pool_bytes() == weights_.pool_bytes() && s->reserved_bytes() == 0 && s->running() == 0 &&
+           s->queue_depth() == 0;
+  }
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::unique_ptr<client::Client> c_;
+  client::SyntheticLayer L_;
+  v1::WeightsResponse weights_;
+  v1::LayerHeader header_;
+};
+
+TEST_F(CancelTest, DeadlineMidLayer) {
+  std::vector<uint16_t> out;
+  absl::StatusOr<v1::LayerResult> r = c_->AttentionLayer(header_, DataOf(L_, &out), absl::Milliseconds(150));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_TRUE(WaitFor([&] { return Idle(); }, std::chrono::milliseconds(5000)));
+  EXPECT_TRUE(WaitFor([&] {
+    return Sample(daemon_->Metrics(), "kvpack_requests_total{code=\"DEADLINE_EXCEEDED\",method=\"AttentionLayer\"}") == 1.0;
+  }));
+  // Still serving.
+  EXPECT_TRUE(*c_->Health());
+}
+
+TEST_F(CancelTest, ClientCancelsMidLayer) {
+  grpc::ClientContext context;
+  c_->Prepare(&context);
+  auto stream = c_->stub()->AttentionLayer(&context);
+  v1::LayerRequest msg;
+  *msg.mutable_header() = header_;
+  msg.mutable_header()->mutable_x()->set_inline_bytes(L_.x.size() * 2);
+  msg.mutable_header()->mutable_positions()->set_inline_bytes(L_.positions.size() * 4);
+  ASSERT_TRUE(stream->Write(msg));
+  for (auto [id, p, n] : {std::tuple{v1::TENSOR_X, static_cast<const void*>(L_.x.data()), L_.x.size() * 2},
+                          std::tuple{v1::TENSOR_POSITIONS, static_cast<const void*>(L_.positions.data()),
+                                     L_.positions.size() * 4}}) {
+    v1::LayerRequest chunk;
+    chunk.mutable_chunk()->set_tensor(id);
+    chunk.mutable_chunk()->set_data(p, n);
+    ASSERT_TRUE(stream->Write(chunk));
+  }
+  stream->WritesDone();
+  ASSERT_TRUE(WaitFor([&] { return c_->Status()->running() == 1; }));
+  EXPECT_GT(c_->Status()->pool_bytes(), weights_.pool_bytes());  // the layer holds its K/V and workspace
+  context.TryCancel();
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(WaitFor([&] { return Idle(); }, std::chrono::milliseconds(5000)));
+}
+
+TEST_F(CancelTest, DeadlineAndCancelWhileWaitingForMemory) {
+  // A budget that fits one long layer: a second one waits in the queue.
+  std::vector<uint16_t> out1;
+  absl::StatusOr<v1::LayerResult> first;
+  std::thread t([&] { first = c_->AttentionLayer(header_, DataOf(L_, &out1)); });
+  ASSERT_TRUE(WaitFor([&] { return c_->Status()->running() == 1; }));
+  // Another tenant's layer of the same size cannot be admitted while the first runs.
+  auto other = daemon_->Connect("other");
+  absl::StatusOr<v1::WeightsResponse> w = other->RegisterWeights(WeightsOf(L_));
+  ASSERT_TRUE(w.ok()) << w.status();
+  v1::LayerHeader h = L_.header;
+  h.set_weights_handle(w->handle());
+  std::vector<uint16_t> out2;
+  absl::StatusOr<v1::LayerResult> waited;
+  std::thread second([&] { waited = other->AttentionLayer(h, DataOf(L_, &out2), absl::Milliseconds(250)); });
+  EXPECT_TRUE(WaitFor([&] { return c_->Status()->queue_depth() == 1; }, std::chrono::milliseconds(250)));
+  second.join();
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kDeadlineExceeded) << waited.status();
+  EXPECT_EQ(c_->Status()->queue_depth(), 0);
+  t.join();
+  EXPECT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(other->ReleaseWeights(w->handle()).ok());
+  EXPECT_TRUE(WaitFor([&] { return Idle(); }));
+}
+
+}  // namespace
+}  // namespace kvpack::testing
