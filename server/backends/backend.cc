@@ -18,7 +18,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& optio
   if (options.kind != BackendKind::kCpu) {
 #if defined(KVPACK_HAVE_CUDA_BACKEND)
     std::string why;
-    std::unique_ptr<Backend> cuda = MakeCudaBackend(&why);
+    std::unique_ptr<Backend> cuda = MakeCudaBackend(CudaBackendOptions{}, &why);
     if (cuda != nullptr) {
       *note = "CUDA backend";
       return cuda;
