@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/layer_spec.h"
+#include "server/core/layer_request.h"
 #include "server/core/pool.h"
 
 namespace kvpack::server {
@@ -47,7 +48,7 @@ class Backend {
   virtual uint64_t WorkspaceBytes(const LayerConfig& config) const = 0;
   // Pool bytes for device copies of x, positions and the output (0 when the backend reads host
   // memory directly, as the CPU backend does).
-  virtual uint64_t IoBytes(const LayerConfig& config) const = 0;
+  virtual uint64_t IoBytes(const LayerConfig& config, const TensorResidency& resident) const = 0;
 
   // REQUIRES: Supported(config).ok(); kv has KvBytes, workspace WorkspaceBytes bytes (pool memory).
   virtual absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv,

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <cstring>
 #include <mutex>
 
 #include "kernels/cuda/layer.h"
@@ -57,12 +58,35 @@ class CudaBackend final : public Backend {
 
   // Device copies of x (read by the projection and overwritten in place), RoPE positions and, when
   // not in place, the output.
-  uint64_t IoBytes(const LayerConfig& config) const override {
+  // Tensors in CUDA IPC regions (`resident`) are read and written where they are.
+  uint64_t IoBytes(const LayerConfig& config, const TensorResidency& resident) const override {
     const LayerShape& s = config.shape;
-    uint64_t bytes = 2ull * s.n_tokens * s.hidden;
-    if (config.rope.layout != RopeLayout::kNone) bytes += 4ull * s.n_tokens * config.rope.n_axes;
-    if (!config.in_place) bytes += 2ull * s.n_tokens * s.HeadCols();
+    uint64_t bytes = resident.x ? 0 : PoolBytes(2ull * s.n_tokens * s.hidden);
+    if (config.rope.layout != RopeLayout::kNone && !resident.positions) {
+      bytes += PoolBytes(4ull * s.n_tokens * config.rope.n_axes);
+    }
+    if (!config.in_place && !resident.out) bytes += PoolBytes(2ull * s.n_tokens * s.HeadCols());
     return bytes;
+  }
+
+  absl::StatusOr<IpcMapping> OpenIpcRegion(const std::string& handle, int device, uint64_t size) override {
+    if (device != options_.device) {
+      return absl::FailedPreconditionError("device: the region is on CUDA device " + std::to_string(device) +
+                                           "; this daemon serves device " + std::to_string(options_.device));
+    }
+    cudaIpcMemHandle_t h;
+    if (handle.size() != sizeof(h)) return absl::InvalidArgumentError("cuda_ipc_handle: not a cudaIpcMemHandle_t");
+    std::memcpy(&h, handle.data(), sizeof(h));
+    void* base = nullptr;
+    if (cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+      cudaGetLastError();  // not sticky: a bad handle is the caller's error
+      return absl::InvalidArgumentError(std::string("cuda_ipc_handle: cudaIpcOpenMemHandle: ") + cudaGetErrorString(e));
+    }
+    (void)size;  // the exporter's allocation size is not queryable; the service bounds-checks against `size`
+    IpcMapping mapping;
+    mapping.base = static_cast<uint8_t*>(base);
+    mapping.close = [](uint8_t* ptr, uint64_t) { cudaIpcCloseMemHandle(ptr); };
+    return mapping;
   }
 
   absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,

@@ -56,7 +56,7 @@ PlannerCosts Engine::Costs() const {
   costs.supported = [b](const LayerConfig& c) { return b->Supported(c); };
   costs.kv_bytes = [this](const LayerConfig& c) { return CachedKvBytes(c); };
   costs.workspace_bytes = [b](const LayerConfig& c) { return b->WorkspaceBytes(c); };
-  costs.io_bytes = [b](const LayerConfig& c) { return b->IoBytes(c); };
+  costs.io_bytes = [b](const LayerConfig& c, const TensorResidency& r) { return b->IoBytes(c, r); };
   return costs;
 }
 
@@ -187,6 +187,48 @@ void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reserva
   job->done(std::move(status));
 }
 
+// Device copies of the tensors a GPU backend cannot read where they are: inline uploads and
+// shared-memory regions (host memory). Tensors in CUDA IPC regions are used in place, copying
+// nothing. The copies come from the request's reservation (the plan's io bytes); with an output
+// that is not on the device, *host_out says where RunLocked copies it back.
+absl::Status Engine::StageOnDevice(LayerJob& job, Pool::Reservation& reservation, LayerTensors* tensors,
+                                   Pool::Lease* io, uint16_t** host_out) {
+  const LayerConfig& config = job.plan.config;
+  const uint64_t x_bytes = 2ull * config.shape.n_tokens * config.shape.hidden;
+  const uint64_t positions_bytes =
+      tensors->positions != nullptr ? 4ull * config.shape.n_tokens * config.rope.n_axes : 0;
+  const bool writes_out = job.mode != LayerMode::kProject;
+  const bool stage_x = !job.resident.x;
+  const bool stage_positions = positions_bytes > 0 && !job.resident.positions;
+  const bool stage_out = writes_out && !config.in_place && !job.resident.out;
+  const uint64_t bytes = (stage_x ? PoolBytes(x_bytes) : 0) + (stage_positions ? PoolBytes(positions_bytes) : 0) +
+                         (stage_out ? PoolBytes(job.out_bytes) : 0);
+  if (bytes == 0) return absl::OkStatus();
+  absl::StatusOr<Pool::Lease> lease = pool_->Allocate({bytes, PoolState::kWorkspace, job.tenant, {}}, &reservation);
+  if (!lease.ok()) return lease.status();
+  *io = std::move(*lease);
+  uint8_t* at = io->data();
+  if (stage_x) {
+    if (absl::Status s = backend_->CopyToPool(at, tensors->x, x_bytes); !s.ok()) return s;
+    if (writes_out && config.in_place) {
+      *host_out = tensors->out;  // == the host x
+      tensors->out = reinterpret_cast<uint16_t*>(at);
+    }
+    tensors->x = reinterpret_cast<const uint16_t*>(at);
+    at += PoolBytes(x_bytes);
+  }
+  if (stage_positions) {
+    if (absl::Status s = backend_->CopyToPool(at, tensors->positions, positions_bytes); !s.ok()) return s;
+    tensors->positions = reinterpret_cast<const float*>(at);
+    at += PoolBytes(positions_bytes);
+  }
+  if (stage_out) {
+    *host_out = tensors->out;
+    tensors->out = reinterpret_cast<uint16_t*>(at);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   const absl::Time start = clock_->Now();
   job.queue_seconds = absl::ToDoubleSeconds(start - job.submitted);
@@ -206,9 +248,12 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   tensors.bias = w.has_bias ? reinterpret_cast<const float*>(wbase + w.bias_offset()) : nullptr;
   tensors.q_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.q_norm_offset()) : nullptr;
   tensors.k_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.k_norm_offset()) : nullptr;
+  Pool::Lease io_lease;
+  uint16_t* host_out = nullptr;  // where a staged output goes back to
   if (!backend_->ReadsHostMemory()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the ", backend_->name(), " backend needs device copies of inputs; not wired in this build"));
+    const absl::Time t0 = clock_->Now();
+    if (absl::Status s = StageOnDevice(job, reservation, &tensors, &io_lease, &host_out); !s.ok()) return s;
+    job.transfer_seconds += absl::ToDoubleSeconds(clock_->Now() - t0);
   }
 
   // Memory, all from the reservation (the plan's peak).
@@ -230,7 +275,7 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     if (!lease.ok()) return lease.status();
     ws_lease = std::move(*lease);
   }
-  job.peak_bytes = kv_lease.bytes() + ws_lease.bytes();
+  job.peak_bytes = kv_lease.bytes() + ws_lease.bytes() + io_lease.bytes();
 
   if (job.mode != LayerMode::kAttend) {
     const absl::Time t0 = clock_->Now();
@@ -248,8 +293,15 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     job.attend_seconds = absl::ToDoubleSeconds(clock_->Now() - t0);
     metrics_->ObserveStage(Stage::kAttend, job.attend_seconds);
   }
+  if (host_out != nullptr) {
+    const absl::Time t0 = clock_->Now();
+    if (absl::Status s = backend_->CopyFromPool(host_out, tensors.out, job.out_bytes); !s.ok()) return s;
+    job.transfer_seconds += absl::ToDoubleSeconds(clock_->Now() - t0);
+  }
+  if (io_lease.bytes() > 0) metrics_->ObserveStage(Stage::kTransfer, job.transfer_seconds);
   metrics_->ObservePeakBytes(job.peak_bytes);
   ws_lease.Release();
+  io_lease.Release();
 
   if (job.keep_kv || job.mode == LayerMode::kProject) {
     kv_lease.SetState(PoolState::kKvKept);

@@ -143,6 +143,15 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       return absl::InvalidArgumentError(absl::StrCat("header.kv_handle: only Attend takes a K/V handle, not ", method_));
     }
 
+    // Tensors in CUDA IPC regions are device memory: the plan reserves no staging copies for them.
+    const v1::OutputSpec& output = header.output();
+    request->resident.x = InDeviceRegion(header.x());
+    request->resident.positions = InDeviceRegion(header.positions());
+    request->resident.out = mode_ == LayerMode::kProject ||
+                            (output.mode() == v1::OUTPUT_REGION && InDeviceRegion(output.region().region_id())) ||
+                            (output.mode() == v1::OUTPUT_IN_PLACE && request->resident.x);
+    job->resident = request->resident;
+
     absl::StatusOr<LayerPlan> plan = engine.Plan(tenant_, *request, job->kv_in.get());
     if (!plan.ok()) return plan.status();
     if (!plan->fits) return absl::ResourceExhaustedError(plan->reason);
@@ -245,6 +254,16 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       }
     }
     return absl::OkStatus();
+  }
+
+  // Whether `region_id` names one of this tenant's CUDA IPC regions (device memory, used in place).
+  // An unknown id is answered later, where the tensor is bound, with the field named.
+  bool InDeviceRegion(const std::string& region_id) const {
+    absl::StatusOr<RegionUse> use = service_->engine().registry().UseRegion(tenant_, region_id, "");
+    return use.ok() && use->get()->kind() == RegionKind::kCudaIpc;
+  }
+  bool InDeviceRegion(const v1::TensorRef& ref) const {
+    return ref.location_case() == v1::TensorRef::kRegion && InDeviceRegion(ref.region().region_id());
   }
 
   absl::Status Bind(const v1::TensorRef& ref, Input* input, LayerJob* job, bool required) {
