@@ -27,7 +27,8 @@
 //   projection  bf16 [min(Tp, N), 2·H·d]  K then V columns of one chunk
 //   queries     bf16 [min(Tq, N), H·d]    Q of one chunk in stored form
 // WorkspaceBytes is the largest of the three, and that many bytes are written (tests hold it).
-// Per-thread stack buffers of AttendTile are ~150 KiB at d = 256 (two decoded pages + a tile).
+// Per-thread stack buffers are ~180 KiB at d = 256 (two decoded pages, a tile of queries, its
+// accumulators and outputs): fine for 8 MiB default thread stacks.
 //
 // Errors: kvpack::Error values (never exceptions or aborts): Supported's message names the field;
 // kCancelled when the CancelFn, polled before each chunk, returns true.
@@ -54,9 +55,10 @@ using CancelFn = std::function<bool()>;
 
 // OK when the CPU backend can run `config`; otherwise the error names the field.
 Error Supported(const LayerConfig& config);
-// Bytes of the packed K/V block: PlanKvLayout(shape, ranges).total_bytes.
+// Bytes of the packed K/V block: PlanKvLayout(shape, ranges).total_bytes (0 when !Supported).
 uint64_t KvBytes(const LayerConfig& config);
-// Peak scratch bytes of ProjectKv, AttendLayer and RunLayer for `config` (the largest of them).
+// Peak scratch bytes of ProjectKv, AttendLayer and RunLayer for `config` (the largest of them; what
+// the workspace holds is listed at the top of this file). 0 when !Supported.
 uint64_t WorkspaceBytes(const LayerConfig& config);
 
 // ── Layer driver ────────────────────────────────────────────────────────────────────────────────

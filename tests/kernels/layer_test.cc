@@ -43,14 +43,23 @@ std::vector<double> Reference(const TestLayer& L) {
 }
 
 TEST(Layer, MatchesFp64AttentionWithNormAndRope) {
-  for (PageFormat format : {PageFormat::kBf16, PageFormat::kInt8}) {
-    TestLayer L = MakeTestLayer(211, 96, 3, 32, 11, format);
-    L.config.qk_norm = {true, 1e-6f, 3 * 32};
-    SetRope(L, VideoRope(RopeLayout::kSplitHalves, 32));
+  const struct {
+    PageFormat format;
+    RopeLayout layout;
+    int norm_weight_len;  // head_dim: shared by the heads; H·d: per head
+  } cases[] = {{PageFormat::kBf16, RopeLayout::kSplitHalves, 3 * 32},
+               {PageFormat::kBf16, RopeLayout::kInterleaved, 32},
+               {PageFormat::kInt8, RopeLayout::kSplitHalves, 32},
+               {PageFormat::kInt8, RopeLayout::kInterleaved, 3 * 32}};
+  for (const auto& c : cases) {
+    TestLayer L = MakeTestLayer(211, 96, 3, 32, 11, c.format);
+    L.config.qk_norm = {true, 1e-6f, c.norm_weight_len};
+    SetRope(L, VideoRope(c.layout, 32));
     std::vector<uint16_t> out;
     ASSERT_TRUE(RunTestLayer(L, 2, &out).ok());
     const double rel = RelL2(out, Reference(L));
-    EXPECT_LT(rel, format == PageFormat::kBf16 ? kLayerRelL2Bf16 : kLayerRelL2Int8) << "format " << int(format);
+    EXPECT_LT(rel, c.format == PageFormat::kBf16 ? kLayerRelL2Bf16 : kLayerRelL2Int8)
+        << "format " << int(c.format) << " layout " << int(c.layout) << " weight_len " << c.norm_weight_len;
   }
 }
 
@@ -198,6 +207,37 @@ TEST(Layer, CancellationStopsBetweenChunks) {
   const Error e = RunLayer(L.config, L.Tensors(), kv.data(), ws.data(), CpuOptions{2}, cancel);
   EXPECT_EQ(e.code(), ErrorCode::kCancelled);
   EXPECT_NE(e.message().find("projection"), std::string::npos) << e.message();
+}
+
+TEST(Layer, CancellationDuringAttentionIsReported) {
+  TestLayer L = MakeTestLayer(200, 64, 2, 32, 72);
+  L.config.projection_chunk = 200;  // statistics, one projection chunk, then query chunks
+  L.config.query_chunk = 50;
+  std::vector<uint8_t> kv(KvBytes(L.config)), ws(WorkspaceBytes(L.config));
+  std::atomic<int> polls{0};
+  const CancelFn cancel = [&] { return ++polls > 3; };
+  const Error e = RunLayer(L.config, L.Tensors(), kv.data(), ws.data(), CpuOptions{2}, cancel);
+  EXPECT_EQ(e.code(), ErrorCode::kCancelled);
+  EXPECT_NE(e.message().find("attention"), std::string::npos) << e.message();
+}
+
+TEST(Layer, ProjectThenAttendEqualsRunLayer) {
+  TestLayer L = MakeTestLayer(180, 64, 2, 32, 73, PageFormat::kInt4);
+  std::vector<uint16_t> whole;
+  ASSERT_TRUE(RunTestLayer(L, 2, &whole).ok());
+  std::vector<uint8_t> kv(KvBytes(L.config)), ws(WorkspaceBytes(L.config));
+  ASSERT_TRUE(ProjectKv(L.config, L.Tensors(), kv.data(), ws.data(), CpuOptions{3}, nullptr).ok());
+  // A kept entry is read through its own tables: the view is all AttendLayer needs of it.
+  const KvEntryView view = MakeKvView(PlanKvLayout(L.config.shape, L.config.ranges), L.config.shape, kv.data(),
+                                      L.config.transforms);
+  std::fill(L.out.begin(), L.out.end(), 0);
+  std::vector<uint8_t> other_ws(WorkspaceBytes(L.config));
+  ASSERT_TRUE(AttendLayer(L.config, L.Tensors(), view, other_ws.data(), CpuOptions{1}, nullptr).ok());
+  EXPECT_EQ(L.out, whole);
+  KvEntryView wrong = view;
+  wrong.n_heads = 3;
+  EXPECT_EQ(AttendLayer(L.config, L.Tensors(), wrong, other_ws.data(), CpuOptions{1}, nullptr).code(),
+            ErrorCode::kInvalidArgument);
 }
 
 struct BadCase {

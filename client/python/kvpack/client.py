@@ -1,0 +1,339 @@
+"""kvpack.Client: typed wrappers for every kvpack.v1 RPC.
+
+    with kvpack.Client("unix:///run/kvpackd/kvpackd.sock") as c:
+        w = c.register_weights(w_bits, n_heads=24, head_dim=128)
+        out = c.attention_layer(x_bits, w, n_heads=24, head_dim=128,
+                                ranges=[kvpack.Range(0, n, 0, ("int8", "int4"))])
+        out.output            # numpy uint16 (bf16 bits) [N, H·d]; out.result: plan, peak, times
+
+Every call has a deadline (`timeout` per call, else the client's default). A failed call raises a
+kvpack.KvpackError subclass carrying the gRPC code and the daemon's message. Tensors are numpy
+arrays (bf16 as uint16 bits, see kvpack.tensors) sent inline in 1 MiB chunks, or RegionSlice
+references into registered shared-memory / CUDA IPC regions.
+
+Thread-safe: one Client (one channel) may serve several threads.
+"""
+
+import os
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvpack import _gen, tensors
+from kvpack.errors import KvpackError, Unavailable, from_rpc_error
+from kvpack.types import LayerOptions, LayerOutput, RegionSlice, Weights
+
+_gen.ensure()
+from kvpack.v1 import kvpack_pb2 as pb  # noqa: E402
+from kvpack.v1 import kvpack_pb2_grpc as pb_grpc  # noqa: E402
+
+DEFAULT_TARGET = "unix:///run/kvpackd/kvpackd.sock"
+DEFAULT_TIMEOUT_S = 120.0   # a 152k-token layer takes seconds; a queue of them longer
+_FORMAT = {"int4": pb.FORMAT_INT4, "int8": pb.FORMAT_INT8, "bf16": pb.FORMAT_BF16}
+_FORMAT_NAME = {v: k for k, v in _FORMAT.items()}
+_ROPE = {"interleaved": pb.RopeOptions.LAYOUT_INTERLEAVED,
+         "split_halves": pb.RopeOptions.LAYOUT_SPLIT_HALVES}
+
+
+def format_name(value):
+    """'int4' | 'int8' | 'bf16' for a kvpack.v1.Format value."""
+    return _FORMAT_NAME.get(value, "unspecified")
+
+
+class Client:
+    """A connection to one kvpackd. `target`: "unix:///path.sock" or "host:port". `token`: the
+    bearer token (needed beyond loopback); `tenant`: sent as x-kvpack-tenant. `credentials`:
+    grpc.ssl_channel_credentials(...) for TLS, else plaintext."""
+
+    def __init__(self, target=DEFAULT_TARGET, *, token=None, tenant=None,
+                 timeout=DEFAULT_TIMEOUT_S, credentials=None, channel_options=(),
+                 chunk_bytes=tensors.CHUNK_BYTES):
+        opts = [("grpc.max_receive_message_length", 8 << 20)] + list(channel_options)
+        self._channel = (grpc.secure_channel(target, credentials, options=opts) if credentials
+                         else grpc.insecure_channel(target, options=opts))
+        self._stub = pb_grpc.KvpackStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.target = target
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        self._metadata = []
+        if token:
+            self._metadata.append(("authorization", f"Bearer {token}"))
+        if tenant:
+            self._metadata.append(("x-kvpack-tenant", tenant))
+
+    @classmethod
+    def from_env(cls, **kwargs):
+        """A client configured by the environment, as a pod or a service unit sets it:
+        KVPACK_TARGET (default the local socket), KVPACK_TOKEN or KVPACK_TOKEN_FILE (the first
+        word of its first line, the daemon's "TOKEN [TENANT]" format), KVPACK_TENANT.
+        Keyword arguments override."""
+        token = os.environ.get("KVPACK_TOKEN")
+        if not token and os.environ.get("KVPACK_TOKEN_FILE"):
+            with open(os.environ["KVPACK_TOKEN_FILE"]) as f:
+                words = f.readline().split()
+            token = words[0] if words else None
+        settings = dict(target=os.environ.get("KVPACK_TARGET", DEFAULT_TARGET), token=token,
+                        tenant=os.environ.get("KVPACK_TENANT"))
+        settings.update(kwargs)
+        return cls(settings.pop("target"), **settings)
+
+    # ── plumbing ────────────────────────────────────────────────────────────────────────────
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _deadline(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    def _unary(self, method, request, timeout):
+        try:
+            return getattr(self._stub, method)(request, timeout=self._deadline(timeout),
+                                               metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, method) from None
+
+    def _chunks(self, tensor_id, array, wrap):
+        for offset, data in tensors.chunks(array, self.chunk_bytes):
+            yield wrap(chunk=pb.TensorChunk(tensor=tensor_id, offset=offset, data=data))
+
+    def _ref(self, value, tensor_id, dtype, inline):
+        """TensorRef for an input; inline arrays are queued in `inline` to follow the header."""
+        if value is None:
+            return None
+        if isinstance(value, RegionSlice):
+            return pb.TensorRef(region=pb.RegionSlice(region_id=value.region_id,
+                                                      offset=value.offset,
+                                                      size_bytes=value.size_bytes))
+        array = tensors.as_wire(value, dtype)
+        inline.append((tensor_id, array))
+        return pb.TensorRef(inline_bytes=array.nbytes)
+
+    # ── health ──────────────────────────────────────────────────────────────────────────────
+
+    def health(self, service="", timeout=5.0):
+        """grpc.health.v1 status name: 'SERVING', 'NOT_SERVING', ..."""
+        try:
+            r = self._health.Check(health_pb2.HealthCheckRequest(service=service),
+                                   timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "Health.Check") from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+
+    def wait_ready(self, timeout=30.0):
+        """Blocks until the channel connects; raises Unavailable after `timeout` seconds."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE,
+                              f"no connection to {self.target} within {timeout} s", "connect") from None
+
+    # ── weights ─────────────────────────────────────────────────────────────────────────────
+
+    def register_weights(self, w_qkv, *, n_heads, head_dim, bias=None, q_norm_weight=None,
+                         k_norm_weight=None, hidden=None, timeout=None):
+        """Uploads a layer's QKV weight: w_qkv bf16 [3·H·d, D] (rows q | k | v, nn.Linear
+        layout; or a RegionSlice, then with `hidden`), bias f32 [3·H·d], q/k norm weights f32
+        [d] or [H·d]. Returns Weights (handle, pool bytes, lease)."""
+        inline = []
+        if isinstance(w_qkv, RegionSlice):
+            if hidden is None:
+                raise ValueError("a weight in a region needs hidden")
+            w = w_qkv
+        else:
+            w = tensors.as_wire(w_qkv, "bf16")
+            hidden = w.shape[1]
+        header = pb.WeightsHeader(
+            hidden=hidden, n_heads=n_heads, head_dim=head_dim,
+            w_qkv=self._ref(w, pb.TENSOR_W_QKV, "bf16", inline),
+            bias=self._ref(bias, pb.TENSOR_BIAS, "f32", inline),
+            q_norm_weight=self._ref(q_norm_weight, pb.TENSOR_Q_NORM_WEIGHT, "f32", inline),
+            k_norm_weight=self._ref(k_norm_weight, pb.TENSOR_K_NORM_WEIGHT, "f32", inline))
+
+        def requests():
+            yield pb.WeightsRequest(header=header)
+            for tensor_id, array in inline:
+                yield from self._chunks(tensor_id, array, pb.WeightsRequest)
+
+        try:
+            r = self._stub.RegisterWeights(requests(), timeout=self._deadline(timeout),
+                                           metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, "RegisterWeights") from None
+        return Weights(r.handle, r.pool_bytes, r.lease_seconds)
+
+    def release_weights(self, weights, timeout=None):
+        self._unary("ReleaseWeights", pb.ReleaseRequest(handle=_handle(weights)), timeout)
+
+    # ── layers ──────────────────────────────────────────────────────────────────────────────
+
+    def layer_header(self, *, n_tokens, hidden, n_heads, head_dim, ranges, weights=None,
+                     options=LayerOptions(), keep_kv=False, kv_handle="", priority=0):
+        """The LayerHeader for a layer (without tensor references): also what plan() sends."""
+        o = pb.LayerOptions()
+        if options.rope is not None:
+            o.rope.layout = _ROPE[options.rope.layout]
+            o.rope.theta = options.rope.theta
+            o.rope.axis_dims.extend(options.rope.axis_dims)
+        if options.qk_norm_eps is not None:
+            o.qk_norm.enabled = True
+            o.qk_norm.eps = options.qk_norm_eps
+        o.attention.causal = options.causal
+        o.attention.softmax_scale = options.softmax_scale
+        return pb.LayerHeader(
+            shape=pb.LayerShape(n_tokens=n_tokens, hidden=hidden, n_heads=n_heads,
+                                head_dim=head_dim),
+            ranges=[pb.TokenRange(begin=r.begin, end=r.end, seq_id=r.seq_id,
+                                  allowed_formats=[_FORMAT[f] for f in r.formats])
+                    for r in ranges],
+            options=o, weights_handle=_handle(weights) if weights is not None else "",
+            keep_kv=keep_kv, kv_handle=kv_handle, priority=priority)
+
+    def _layer(self, method, x, weights, *, n_heads, head_dim, ranges, positions, options,
+               keep_kv, kv_handle, priority, output, timeout, n_tokens=None, hidden=None):
+        if isinstance(x, RegionSlice):
+            if n_tokens is None or hidden is None:
+                raise ValueError("x in a region needs n_tokens and hidden")
+        else:
+            x = tensors.as_wire(x, "bf16")
+            n_tokens, hidden = x.shape
+        header = self.layer_header(n_tokens=n_tokens, hidden=hidden, n_heads=n_heads,
+                                   head_dim=head_dim, ranges=ranges, weights=weights,
+                                   options=options, keep_kv=keep_kv, kv_handle=kv_handle,
+                                   priority=priority)
+        inline = []
+        header.x.CopyFrom(self._ref(x, pb.TENSOR_X, "bf16", inline))
+        if positions is not None:
+            header.positions.CopyFrom(self._ref(positions, pb.TENSOR_POSITIONS, "f32", inline))
+        if method == "Project":
+            header.output.mode = pb.OUTPUT_NONE
+        elif isinstance(output, RegionSlice):
+            header.output.mode = pb.OUTPUT_REGION
+            header.output.region.CopyFrom(pb.RegionSlice(region_id=output.region_id,
+                                                         offset=output.offset,
+                                                         size_bytes=output.size_bytes))
+        elif output == "in_place":
+            header.output.mode = pb.OUTPUT_IN_PLACE
+        elif output not in (None, "inline"):
+            raise ValueError("output must be None, 'inline', 'in_place' or a RegionSlice")
+
+        def requests():
+            yield pb.LayerRequest(header=header)
+            for tensor_id, array in inline:
+                yield from self._chunks(tensor_id, array, pb.LayerRequest)
+
+        result, buf, got = None, None, 0
+        try:
+            for r in getattr(self._stub, method)(requests(), timeout=self._deadline(timeout),
+                                                 metadata=self._metadata):
+                if r.HasField("result"):
+                    result = r.result
+                    buf = bytearray(result.output_bytes)
+                elif r.HasField("chunk"):
+                    c = r.chunk
+                    if buf is None or c.offset + len(c.data) > len(buf):
+                        raise KvpackError(grpc.StatusCode.INTERNAL,
+                                          "output chunk outside the announced output", method)
+                    buf[c.offset:c.offset + len(c.data)] = c.data
+                    got += len(c.data)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, method) from None
+        if result is None:
+            raise KvpackError(grpc.StatusCode.INTERNAL, "the stream ended without a result",
+                              method)
+        if got != len(buf):
+            raise KvpackError(grpc.StatusCode.INTERNAL,
+                              f"received {got} of {len(buf)} output bytes", method)
+        out = None
+        if len(buf):
+            out = np.frombuffer(bytes(buf), dtype="<u2").reshape(n_tokens, -1)
+        return LayerOutput(out, result)
+
+    def attention_layer(self, x, weights, *, n_heads, head_dim, ranges, positions=None,
+                        options=LayerOptions(), keep_kv=False, priority=0, output=None,
+                        timeout=None, n_tokens=None, hidden=None):
+        """One attention layer: x bf16 [N, D] (uint16 bits or floats, or a RegionSlice with
+        n_tokens and hidden), the weights from register_weights, ranges tiling [0, N),
+        positions f32 [N, axes] with RoPE. output: None (inline, returned), "in_place", or a
+        RegionSlice. Returns LayerOutput(output bits [N, H·d] or None, LayerResult)."""
+        return self._layer("AttentionLayer", x, weights, n_heads=n_heads, head_dim=head_dim,
+                           ranges=ranges, positions=positions, options=options,
+                           keep_kv=keep_kv, kv_handle="", priority=priority, output=output,
+                           timeout=timeout, n_tokens=n_tokens, hidden=hidden)
+
+    def project(self, x, weights, *, n_heads, head_dim, ranges, positions=None,
+                options=LayerOptions(), priority=0, timeout=None, n_tokens=None, hidden=None):
+        """Packs K/V of x and keeps it; returns LayerOutput(None, result) with
+        result.kv_handle for attend() and release_kv()."""
+        return self._layer("Project", x, weights, n_heads=n_heads, head_dim=head_dim,
+                           ranges=ranges, positions=positions, options=options, keep_kv=True,
+                           kv_handle="", priority=priority, output=None, timeout=timeout,
+                           n_tokens=n_tokens, hidden=hidden)
+
+    def attend(self, x, weights, kv_handle, *, n_heads, head_dim, ranges, positions=None,
+               options=LayerOptions(), priority=0, output=None, timeout=None, n_tokens=None,
+               hidden=None):
+        """Attention over a kept K/V handle (from project() or keep_kv) for the same tokens."""
+        return self._layer("Attend", x, weights, n_heads=n_heads, head_dim=head_dim,
+                           ranges=ranges, positions=positions, options=options, keep_kv=False,
+                           kv_handle=kv_handle, priority=priority, output=output,
+                           timeout=timeout, n_tokens=n_tokens, hidden=hidden)
+
+    def release_kv(self, kv_handle, timeout=None):
+        self._unary("ReleaseKv", pb.ReleaseRequest(handle=kv_handle), timeout)
+
+    # ── planning and status ─────────────────────────────────────────────────────────────────
+
+    def plan(self, *, n_tokens, hidden, n_heads, head_dim, ranges, weights=None, has_bias=False,
+             qk_norm_weight_len=0, options=LayerOptions(), timeout=None):
+        """Dry run: PlanResponse(fits, plan, reason) — formats, chunks, predicted peak bytes."""
+        header = self.layer_header(n_tokens=n_tokens, hidden=hidden, n_heads=n_heads,
+                                   head_dim=head_dim, ranges=ranges, weights=weights,
+                                   options=options)
+        if qk_norm_weight_len:
+            header.options.qk_norm.weight_len = qk_norm_weight_len
+        return self._unary("Plan", pb.PlanRequest(header=header, has_bias=has_bias), timeout)
+
+    def status(self, timeout=None):
+        """StatusResponse: budget, pool by state and format, high-water, queue, your tenant."""
+        return self._unary("Status", pb.StatusRequest(), timeout)
+
+    # ── regions ─────────────────────────────────────────────────────────────────────────────
+
+    def register_shm(self, shm_name, size_bytes, timeout=None):
+        """Registers a POSIX shared-memory object (shm_open name, e.g. "/kvpack-42"); returns
+        the region id."""
+        r = self._unary("RegisterRegion", pb.RegisterRegionRequest(
+            kind=pb.REGION_SHM, shm_name=shm_name, size_bytes=size_bytes), timeout)
+        return r.region_id
+
+    def register_cuda_ipc(self, ipc_handle, size_bytes, device=0, timeout=None):
+        """Registers a cudaIpcMemHandle_t (64 bytes) of memory on the daemon's GPU."""
+        r = self._unary("RegisterRegion", pb.RegisterRegionRequest(
+            kind=pb.REGION_CUDA_IPC, cuda_ipc_handle=bytes(ipc_handle), size_bytes=size_bytes,
+            device=device), timeout)
+        return r.region_id
+
+    def unregister_region(self, region_id, timeout=None):
+        """Waits for the requests using the region, then the daemon unmaps it."""
+        self._unary("UnregisterRegion", pb.UnregisterRegionRequest(region_id=region_id),
+                    timeout)
+
+    def region_status(self, region_id="", timeout=None):
+        return list(self._unary("RegionStatus", pb.RegionStatusRequest(region_id=region_id),
+                                timeout).regions)
+
+    def keep_alive(self, ids, timeout=None):
+        """Renews the leases of handles and regions; returns how many were found."""
+        return self._unary("KeepAlive", pb.KeepAliveRequest(ids=list(ids)), timeout).renewed
+
+
+def _handle(weights):
+    return weights.handle if isinstance(weights, Weights) else str(weights)

@@ -1,0 +1,156 @@
+"""A ComfyUI attention override that runs self-attention through kvpackd.
+
+ComfyUI calls `transformer_options["optimized_attention_override"](original, q, k, v, heads,
+mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs)` for
+every attention it runs. q, k, v come as [B, N, H·d] (skip_reshape=False) or [B, H, N, d]
+(skip_reshape=True); the output goes back as [B, N, H·d] or, with skip_output_reshape=True,
+[B, H, N, d].
+
+    from kvpack.comfy import AttentionOverride
+    from kvpack.torch import QkvAttention
+    hook = AttentionOverride(QkvAttention(kvpack.Client("unix:///run/kvpackd/kvpackd.sock")))
+    model.model_options["transformer_options"]["optimized_attention_override"] = hook
+
+The original function runs instead when kvpackd cannot help: a mask, cross-attention (k and v
+of another length than q), a head size the daemon does not take, fewer than `min_tokens` tokens,
+or the daemon answering UNAVAILABLE (not running, draining; then it is left alone for
+`retry_after_s`) or RESOURCE_EXHAUSTED (the layer does not fit its budget). Other errors raise.
+"""
+
+import logging
+import threading
+import time
+
+import grpc
+
+from kvpack.errors import KvpackError
+
+log = logging.getLogger("kvpack.comfy")
+
+FALLBACK_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def to_tokens_major(t, heads, skip_reshape):
+    """[B, N, H·d] or [B, H, N, d] -> a [B, N, H, d] view (or copy for the transposed layout)."""
+    if skip_reshape:
+        return t.transpose(1, 2)
+    b, n, hd = t.shape
+    return t.reshape(b, n, heads, hd // heads)
+
+
+def from_tokens_major(o, skip_output_reshape):
+    """[B, N, H, d] -> [B, H, N, d] (skip_output_reshape) or [B, N, H·d]."""
+    if skip_output_reshape:
+        return o.transpose(1, 2)
+    b, n, h, d = o.shape
+    return o.reshape(b, n, h * d)
+
+
+class AttentionOverride:
+    """Callable for ComfyUI's optimized_attention_override. `attend(q, k, v)` takes and returns
+    [B, N, H, d] tensors (kvpack.torch.QkvAttention, or anything with that contract).
+    Thread-safe: ComfyUI may run it from several threads."""
+
+    def __init__(self, attend, *, min_tokens=1024, head_dims=(64, 128), retry_after_s=30.0,
+                 fallback_codes=FALLBACK_CODES, clock=time.monotonic):
+        self.attend = attend
+        self.min_tokens = min_tokens
+        self.head_dims = tuple(head_dims)
+        self.retry_after_s = retry_after_s
+        self.fallback_codes = tuple(fallback_codes)
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.calls = {"kvpack": 0, "fallback": 0}
+
+    def reason_to_skip(self, q, k, v, heads, mask, skip_reshape):
+        if mask is not None:
+            return "mask"
+        if q.shape != k.shape or k.shape != v.shape:
+            return "cross-attention"
+        n = q.shape[2] if skip_reshape else q.shape[1]
+        d = q.shape[-1] if skip_reshape else q.shape[-1] // heads
+        if d not in self.head_dims:
+            return f"head_dim {d}"
+        if n < self.min_tokens:
+            return "short sequence"
+        if self.clock() < self._down_until:
+            return "daemon unavailable"
+        return None
+
+    def __call__(self, original, q, k, v, heads, mask=None, attn_precision=None,
+                 skip_reshape=False, skip_output_reshape=False, **kwargs):
+        def fallback():
+            with self._lock:
+                self.calls["fallback"] += 1
+            return original(q, k, v, heads, mask=mask, attn_precision=attn_precision,
+                            skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
+                            **kwargs)
+
+        if self.reason_to_skip(q, k, v, heads, mask, skip_reshape):
+            return fallback()
+        try:
+            out = self.attend(to_tokens_major(q, heads, skip_reshape),
+                              to_tokens_major(k, heads, skip_reshape),
+                              to_tokens_major(v, heads, skip_reshape))
+        except KvpackError as e:
+            if e.code not in self.fallback_codes:
+                raise
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                with self._lock:
+                    first = self.clock() >= self._down_until
+                    self._down_until = self.clock() + self.retry_after_s
+                if first:
+                    log.warning("kvpackd unavailable (%s); local attention for %.0f s",
+                                e.details, self.retry_after_s)
+            else:
+                log.info("kvpackd: %s; local attention for this call", e)
+            return fallback()
+        with self._lock:
+            self.calls["kvpack"] += 1
+        return from_tokens_major(out, skip_output_reshape).to(q.dtype)
+
+
+# ── ComfyUI node ────────────────────────────────────────────────────────────────────────────────
+# To install, put a folder in ComfyUI/custom_nodes/ whose __init__.py says
+#     from kvpack.comfy import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+# with the kvpack package installed in ComfyUI's Python.
+
+class KvpackAttentionNode:
+    """MODEL -> MODEL whose self-attention runs through kvpackd (original attention as fallback)."""
+
+    CATEGORY = "advanced/attention"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL",),
+            "target": ("STRING", {"default": "unix:///run/kvpackd/kvpackd.sock"}),
+            "formats": (["int8,int4", "int4", "int8", "bf16,int8,int4"],),
+            "min_tokens": ("INT", {"default": 1024, "min": 1, "max": 1 << 24}),
+        }, "optional": {
+            "token": ("STRING", {"default": ""}),
+        }}
+
+    def patch(self, model, target, formats, min_tokens, token=""):
+        from kvpack.client import Client
+        from kvpack.torch import QkvAttention
+
+        # KVPACK_TOKEN / KVPACK_TOKEN_FILE / KVPACK_TENANT from ComfyUI's environment apply
+        # unless the node sets them.
+        overrides = {"target": target} if target else {}
+        if token:
+            overrides["token"] = token
+        client = Client.from_env(**overrides)
+        hook = AttentionOverride(QkvAttention(client, formats=tuple(formats.split(","))),
+                                 min_tokens=min_tokens)
+        patched = model.clone()
+        options = patched.model_options.setdefault("transformer_options", {})
+        options["optimized_attention_override"] = hook
+        return (patched,)
+
+
+NODE_CLASS_MAPPINGS = {"KvpackAttention": KvpackAttentionNode}
+NODE_DISPLAY_NAME_MAPPINGS = {"KvpackAttention": "kvpack attention (kvpackd)"}

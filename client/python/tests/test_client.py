@@ -1,0 +1,183 @@
+"""kvpack.Client over real gRPC against the in-process fake daemon (tests/fake_daemon.py)."""
+
+import socket
+from multiprocessing import shared_memory
+
+import numpy as np
+import pytest
+
+import kvpack
+from fake_daemon import FakeDaemon
+from kvpack import reference, tensors
+from kvpack.types import LayerOptions, Range, RegionSlice, Rope
+
+H, D_HEAD, HIDDEN = 2, 16, 24
+
+
+def layer_inputs(n=37, seed=4, hidden=HIDDEN):
+    r = np.random.default_rng(seed)
+    x = tensors.to_bf16_bits(r.standard_normal((n, hidden)))
+    w = tensors.to_bf16_bits(r.standard_normal((3 * H * D_HEAD, hidden)) / hidden ** 0.5)
+    return x, w, r
+
+
+def expected(x, w, **kw):
+    out = reference.attention_layer(tensors.from_bf16_bits(x), tensors.from_bf16_bits(w), H,
+                                    D_HEAD, **kw)
+    return tensors.to_bf16_bits(out)
+
+
+@pytest.fixture
+def daemon():
+    with FakeDaemon() as d:
+        yield d
+
+
+@pytest.fixture
+def client(daemon):
+    with kvpack.Client(daemon.target, tenant="team-a", timeout=10, chunk_bytes=1000) as c:
+        yield c
+
+
+def test_health_and_status(client, daemon):
+    assert client.health() == "SERVING"
+    s = client.status()
+    assert s.backend == "cpu" and s.serving
+    assert daemon.service.tenants[-1] == "team-a"
+
+
+def test_layer_inline_in_many_chunks(client):
+    x, w, _ = layer_inputs()
+    weights = client.register_weights(w, n_heads=H, head_dim=D_HEAD)
+    assert weights.handle and weights.pool_bytes == w.nbytes
+    ranges = [Range(0, 20, 0, ("int8", "int4")), Range(20, 37, 1)]
+    out = client.attention_layer(x, weights, n_heads=H, head_dim=D_HEAD, ranges=ranges)
+    assert out.output.dtype == np.uint16 and out.output.shape == (37, H * D_HEAD)
+    want = expected(x, w, seq_ids=reference.seq_ids_from_ranges([(0, 20, 0), (20, 37, 1)], 37))
+    np.testing.assert_array_equal(out.output, want)
+    assert [kvpack.client.format_name(r.format) for r in out.result.plan.ranges] == ["int8", "int4"]
+
+
+def test_bias_norm_rope_causal_options_reach_the_daemon(client):
+    x, w, r = layer_inputs(n=23)
+    bias = r.standard_normal(3 * H * D_HEAD).astype(np.float32)
+    qn, kn = (r.uniform(0.5, 1.5, D_HEAD).astype(np.float32) for _ in range(2))
+    pos = (r.uniform(0, 30, (23, 2))).astype(np.float32)
+    rope = Rope(axis_dims=(8, 6), layout="interleaved", theta=500.0)
+    weights = client.register_weights(w, n_heads=H, head_dim=D_HEAD, bias=bias,
+                                      q_norm_weight=qn, k_norm_weight=kn)
+    opts = LayerOptions(rope=rope, qk_norm_eps=1e-5, causal=True, softmax_scale=0.2)
+    out = client.attention_layer(x, weights, n_heads=H, head_dim=D_HEAD,
+                                 ranges=[Range(0, 23)], positions=pos, options=opts)
+    want = expected(x, w, bias=bias, q_norm_weight=qn, k_norm_weight=kn, eps=1e-5,
+                    positions=pos, rope_layout=reference.ROPE_INTERLEAVED, axis_dims=(8, 6),
+                    theta=500.0, causal=True, softmax_scale=0.2)
+    np.testing.assert_array_equal(out.output, want)
+
+
+def test_project_attend_release(client):
+    x, w, _ = layer_inputs(n=19)
+    weights = client.register_weights(w, n_heads=H, head_dim=D_HEAD)
+    proj = client.project(x, weights, n_heads=H, head_dim=D_HEAD, ranges=[Range(0, 19)])
+    assert proj.output is None and proj.result.kv_handle
+    att = client.attend(x, weights, proj.result.kv_handle, n_heads=H, head_dim=D_HEAD,
+                        ranges=[Range(0, 19)])
+    np.testing.assert_array_equal(att.output, expected(x, w))
+    assert client.keep_alive([weights.handle, proj.result.kv_handle, "nope"]) == 2
+    client.release_kv(proj.result.kv_handle)
+    client.release_weights(weights)
+    with pytest.raises(kvpack.NotFound, match="ReleaseKv: NOT_FOUND"):
+        client.release_kv(proj.result.kv_handle)
+
+
+def test_shared_memory_region_in_and_out(client):
+    x, w, _ = layer_inputs(n=29)
+    out_bytes = 29 * H * D_HEAD * 2
+    shm = shared_memory.SharedMemory(create=True, size=x.nbytes + 64 + out_bytes)
+    try:
+        shm.buf[64:64 + x.nbytes] = x.tobytes()
+        region = client.register_shm("/" + shm.name, shm.size)
+        assert [r.region_id for r in client.region_status()] == [region]
+        weights = client.register_weights(w, n_heads=H, head_dim=D_HEAD)
+        res = client.attention_layer(
+            RegionSlice(region, 64, x.nbytes), weights, n_heads=H, head_dim=D_HEAD,
+            ranges=[Range(0, 29)], n_tokens=29, hidden=HIDDEN,
+            output=RegionSlice(region, 64 + x.nbytes, out_bytes))
+        assert res.output is None
+        got = np.frombuffer(bytes(shm.buf[64 + x.nbytes:]), dtype=np.uint16).reshape(29, -1)
+        np.testing.assert_array_equal(got, expected(x, w))
+        client.unregister_region(region)
+        assert client.region_status() == []
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def test_errors_carry_code_and_message(client, daemon):
+    x, w, _ = layer_inputs(n=11)
+    with pytest.raises(kvpack.NotFound) as e:
+        client.attention_layer(x, "w-nope", n_heads=H, head_dim=D_HEAD, ranges=[Range(0, 11)])
+    assert e.value.method == "AttentionLayer" and "weights_handle" in e.value.details
+    weights = client.register_weights(w, n_heads=H, head_dim=D_HEAD)
+    daemon.service.budget_bytes = 100
+    with pytest.raises(kvpack.ResourceExhausted, match="budget 100"):
+        client.attention_layer(x, weights, n_heads=H, head_dim=D_HEAD, ranges=[Range(0, 11)])
+    plan = client.plan(n_tokens=11, hidden=HIDDEN, n_heads=H, head_dim=D_HEAD,
+                       ranges=[Range(0, 11)])
+    assert not plan.fits and "budget 100" in plan.reason
+    daemon.service.budget_bytes = 1 << 30
+    daemon.service.delay_s = 1.0
+    with pytest.raises(kvpack.DeadlineExceeded):
+        client.attention_layer(x, weights, n_heads=H, head_dim=D_HEAD, ranges=[Range(0, 11)],
+                               timeout=0.2)
+
+
+def test_token_is_sent():
+    with FakeDaemon(token="s3cret") as d:
+        with kvpack.Client(d.target, timeout=5) as anonymous:
+            with pytest.raises(kvpack.Unauthenticated):
+                anonymous.status()
+        with kvpack.Client(d.target, token="s3cret", timeout=5) as c:
+            assert c.status().serving
+
+
+def test_no_daemon_is_unavailable():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]          # bound, never listening: connections are refused
+        with kvpack.Client(f"127.0.0.1:{port}", timeout=2) as c:
+            with pytest.raises(kvpack.Unavailable):
+                c.status()
+            with pytest.raises(kvpack.Unavailable):
+                c.wait_ready(timeout=0.3)
+
+
+def test_inputs_are_validated_before_sending(client):
+    with pytest.raises(ValueError):
+        Range(5, 5)
+    with pytest.raises(ValueError):
+        Range(0, 5, formats=("fp8",))
+    x, w, _ = layer_inputs(n=7)
+    with pytest.raises(ValueError, match="n_tokens and hidden"):
+        client.attention_layer(RegionSlice("r", 0, 10), "w", n_heads=H, head_dim=D_HEAD,
+                               ranges=[Range(0, 7)])
+    with pytest.raises(ValueError, match="output"):
+        client.attention_layer(x, "w", n_heads=H, head_dim=D_HEAD, ranges=[Range(0, 7)],
+                               output="somewhere")
+
+
+def test_from_env(monkeypatch, tmp_path):
+    with FakeDaemon(token="0123456789abcdef-token") as d:
+        token_file = tmp_path / "token"
+        token_file.write_text("0123456789abcdef-token team-b\n")
+        monkeypatch.setenv("KVPACK_TARGET", d.target)
+        monkeypatch.setenv("KVPACK_TOKEN_FILE", str(token_file))
+        monkeypatch.setenv("KVPACK_TENANT", "team-b")
+        monkeypatch.delenv("KVPACK_TOKEN", raising=False)
+        with kvpack.Client.from_env(timeout=5) as c:
+            assert c.status().serving
+        assert d.service.tenants[-1] == "team-b"
+        monkeypatch.setenv("KVPACK_TOKEN", "wrong-token-wrong-token")
+        with kvpack.Client.from_env(timeout=5) as c:
+            with pytest.raises(kvpack.Unauthenticated):
+                c.status()

@@ -1,0 +1,313 @@
+#include "kernels/cuda/layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/row_epilogue.h"
+
+namespace kvpack::cuda {
+namespace {
+
+constexpr uint64_t kAlign = 256;
+uint64_t AlignUp(uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+int64_t SampleTokens(const LayerConfig& c) {
+  return std::min<int64_t>(c.shape.n_tokens, std::max(1, c.transforms.stats_sample_tokens));
+}
+int64_t ProjectionRows(const LayerConfig& c) { return std::min(c.projection_chunk, c.shape.n_tokens); }
+int64_t QueryRows(const LayerConfig& c) { return std::min(c.query_chunk, c.shape.n_tokens); }
+
+// Pieces of the pre-pass inside the main workspace region.
+struct StatsScratch {
+  uint64_t index = 0, gathered = 0, projected = 0, floats = 0, end = 0;
+};
+StatsScratch PlanStatsScratch(const LayerConfig& c) {
+  const uint64_t s = SampleTokens(c), hd = c.shape.HeadCols();
+  StatsScratch p;
+  p.index = 0;
+  p.gathered = AlignUp(p.index + s * sizeof(int64_t));
+  p.projected = AlignUp(p.gathered + s * c.shape.hidden * 2);
+  p.floats = AlignUp(p.projected + s * 2 * hd * 2);
+  p.end = AlignUp(p.floats + s * 2 * hd * sizeof(float));
+  return p;
+}
+
+uint64_t MainRegionBytes(const LayerConfig& c) {
+  const uint64_t hd = c.shape.HeadCols();
+  const uint64_t projection = AlignUp(ProjectionRows(c) * 2 * hd * 2);
+  const uint64_t query = AlignUp(QueryRows(c) * hd * 2);
+  const uint64_t stats = c.stats ? 0 : PlanStatsScratch(c).end;
+  return std::max({projection, query, stats});
+}
+
+// Events around the launches of one stage; summed into StageTimes at Finish().
+class StageClock {
+ public:
+  explicit StageClock(const CudaContext& ctx) : ctx_(ctx) {}
+  StageClock(const StageClock&) = delete;
+  StageClock& operator=(const StageClock&) = delete;
+  ~StageClock() {
+    for (auto& m : marks_) cudaEventDestroy(m.first), cudaEventDestroy(m.second.first);
+  }
+  // Records the start of a stage; returns an id for Stop.
+  Error Start(float* slot) {
+    if (!ctx_.times) return Error::Ok();
+    cudaEvent_t a, b;
+    KVPACK_CUDA_RETURN(cudaEventCreate(&a));
+    KVPACK_CUDA_RETURN(cudaEventCreate(&b));
+    marks_.push_back({a, {b, slot}});
+    return CudaError(cudaEventRecord(a, ctx_.stream), "cudaEventRecord");
+  }
+  Error Stop() {
+    if (!ctx_.times) return Error::Ok();
+    return CudaError(cudaEventRecord(marks_.back().second.first, ctx_.stream), "cudaEventRecord");
+  }
+  Error Finish() {
+    if (!ctx_.times) return Error::Ok();
+    KVPACK_CUDA_RETURN(cudaStreamSynchronize(ctx_.stream));
+    for (auto& m : marks_) {
+      float ms = 0;
+      KVPACK_CUDA_RETURN(cudaEventElapsedTime(&ms, m.first, m.second.first));
+      *m.second.second += ms;
+    }
+    return Error::Ok();
+  }
+
+ private:
+  const CudaContext& ctx_;
+  std::vector<std::pair<cudaEvent_t, std::pair<cudaEvent_t, float*>>> marks_;
+};
+
+float* Slot(const CudaContext& ctx, float StageTimes::*member) { return ctx.times ? &(ctx.times->*member) : nullptr; }
+
+// The parts of a row epilogue that come from the config and tensors.
+RowEpilogueParams BaseRowParams(const LayerConfig& c, const LayerTensors& t) {
+  RowEpilogueParams p;
+  p.n_heads = c.shape.n_heads;
+  p.head_dim = c.shape.head_dim;
+  p.bias = c.has_bias ? t.bias : nullptr;
+  p.norm = c.qk_norm.enabled;
+  p.q_norm_weight = t.q_norm_weight;
+  p.k_norm_weight = t.k_norm_weight;
+  p.norm_weight_len = c.qk_norm.weight_len;
+  p.norm_eps = c.qk_norm.eps;
+  FillRopeTable(c.rope, &p);
+  p.positions = t.positions;
+  p.rotate = c.transforms.rotate;
+  p.seed = c.transforms.seed;
+  return p;
+}
+
+Error CheckTensors(const LayerConfig& c, const LayerTensors& t) {
+  if (!t.x) return InvalidArgument("tensors.x is null");
+  if (!t.w_qkv) return InvalidArgument("tensors.w_qkv is null");
+  if (!t.out) return InvalidArgument("tensors.out is null");
+  if (c.has_bias && !t.bias) return InvalidArgument("tensors.bias is null but has_bias is set");
+  if (c.rope.layout != RopeLayout::kNone && !t.positions) return InvalidArgument("tensors.positions is null but RoPE is on");
+  if (c.qk_norm.enabled && (!t.q_norm_weight || !t.k_norm_weight)) {
+    return InvalidArgument("tensors.q_norm_weight / k_norm_weight are required with qk_norm.enabled");
+  }
+  if (c.in_place && t.out != t.x) return InvalidArgument("in_place is set but tensors.out != tensors.x");
+  if (!c.in_place && t.out == t.x) return InvalidArgument("tensors.out == tensors.x needs in_place");
+  return Error::Ok();
+}
+
+Error Cancelled(const CancelFn& cancel) {
+  if (cancel && cancel()) return Error(ErrorCode::kCancelled, "cancelled between chunks");
+  return Error::Ok();
+}
+
+int MaxPageBytes(const LayerConfig& c) {
+  int bytes = 0;
+  for (const TokenRange& r : c.ranges) bytes = std::max(bytes, PageBytes(r.format, c.shape.head_dim));
+  return bytes;
+}
+
+// The statistics pre-pass: sample, project, epilogue to float, reduce into the entry's tables.
+Error ComputeStatsOnDevice(const LayerConfig& c, const LayerTensors& t, const KvLayout& layout, uint8_t* kv,
+                           uint8_t* main, BlasGemm& gemm, const CudaContext& ctx) {
+  const int64_t n = c.shape.n_tokens, s = SampleTokens(c), hd = c.shape.HeadCols();
+  const StatsScratch sp = PlanStatsScratch(c);
+  std::vector<int64_t> index(s);
+  for (int64_t i = 0; i < s; ++i) index[i] = i * n / s;  // strided over the whole sequence
+  int64_t* d_index = reinterpret_cast<int64_t*>(main + sp.index);
+  uint16_t* gathered = reinterpret_cast<uint16_t*>(main + sp.gathered);
+  uint16_t* projected = reinterpret_cast<uint16_t*>(main + sp.projected);
+  float* floats = reinterpret_cast<float*>(main + sp.floats);
+  KVPACK_CUDA_RETURN(cudaMemcpyAsync(d_index, index.data(), s * sizeof(int64_t), cudaMemcpyHostToDevice, ctx.stream));
+  KVPACK_RETURN_IF_ERROR(LaunchGatherRows(t.x, c.shape.hidden, d_index, s, gathered, ctx.stream));
+  GemmArgs g;
+  g.a = gathered, g.lda = c.shape.hidden;
+  g.b = t.w_qkv + hd * c.shape.hidden, g.ldb = c.shape.hidden;  // rows [k | v] of W
+  g.c = projected, g.ldc = 2 * hd;
+  g.m = s, g.n = 2 * hd, g.k = c.shape.hidden;
+  KVPACK_RETURN_IF_ERROR(gemm.Run(g, ctx.stream));
+  RowEpilogueParams p = BaseRowParams(c, t);
+  p.in = projected, p.in_stride = 2 * hd, p.n_rows = s, p.token_index = d_index;
+  p.out_float = floats;
+  KVPACK_RETURN_IF_ERROR(LaunchRowEpilogue(RowMode::kStats, p, ctx.stream));
+  return LaunchKvStats(floats, s, c.shape.n_heads, c.shape.head_dim, c.transforms.smooth, c.transforms.balance,
+                       reinterpret_cast<float*>(kv + layout.mu_k_offset), reinterpret_cast<float*>(kv + layout.mu_v_offset),
+                       reinterpret_cast<float*>(kv + layout.lambda_offset), ctx.stream);
+}
+
+}  // namespace
+
+Error Supported(const LayerConfig& c) {
+  KVPACK_RETURN_IF_ERROR(ValidateShape(c.shape, /*for_gpu=*/true));
+  KVPACK_RETURN_IF_ERROR(ValidateRanges(c.shape.n_tokens, c.ranges));
+  KVPACK_RETURN_IF_ERROR(ValidateRope(c.rope, c.shape.head_dim));
+  KVPACK_RETURN_IF_ERROR(ValidateQkNorm(c.qk_norm, c.shape));
+  if (c.shape.hidden % 8 != 0) {
+    return Unsupported("hidden = " + std::to_string(c.shape.hidden) + " must be a multiple of 8 on the GPU");
+  }
+  if (c.projection_chunk <= 0) return InvalidArgument("projection_chunk must be positive");
+  if (c.query_chunk <= 0) return InvalidArgument("query_chunk must be positive");
+  if (c.in_place && c.shape.hidden != c.shape.HeadCols()) {
+    return InvalidArgument("in_place needs hidden (" + std::to_string(c.shape.hidden) + ") == n_heads * head_dim (" +
+                           std::to_string(c.shape.HeadCols()) + ")");
+  }
+  if (c.stats) {
+    const size_t want = static_cast<size_t>(c.shape.HeadCols());
+    if (c.stats->mu_k.size() != want || c.stats->mu_v.size() != want || c.stats->lambda.size() != want) {
+      return InvalidArgument("stats: mu_k, mu_v and lambda must each hold n_heads * head_dim = " +
+                             std::to_string(want) + " values");
+    }
+  } else if (c.transforms.stats_sample_tokens <= 0) {
+    return InvalidArgument("transforms.stats_sample_tokens must be positive");
+  }
+  return Error::Ok();
+}
+
+uint64_t KvBytes(const LayerConfig& c) { return PlanKvLayout(c.shape, c.ranges).total_bytes; }
+
+uint64_t WorkspaceBytes(const LayerConfig& c) { return kBlasWorkspaceBytes + MainRegionBytes(c); }
+
+Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* workspace,
+                const CudaContext& ctx, const CancelFn& cancel) {
+  // ── Preconditions ─────────────────────────────────────────────────────────────────────────────
+  KVPACK_RETURN_IF_ERROR(Supported(c));
+  KVPACK_RETURN_IF_ERROR(CheckTensors(c, t));
+  if (!kv || !workspace) return InvalidArgument("kv and workspace must be device buffers");
+  const KvLayout layout = PlanKvLayout(c.shape, c.ranges);
+  const int64_t n = c.shape.n_tokens, hd = c.shape.HeadCols(), hidden = c.shape.hidden;
+  uint8_t* main = workspace + kBlasWorkspaceBytes;
+  BlasGemm gemm(ctx.blas, workspace);
+  StageClock clock(ctx);
+
+  // ── Tables: zeroed pages (unused slots read as zeros), page table and offsets ─────────────────
+  KVPACK_CUDA_RETURN(cudaMemsetAsync(kv, 0, layout.page_bytes, ctx.stream));
+  std::vector<uint8_t> tables(layout.mu_k_offset - layout.pages_offset);
+  WriteKvTables(layout, tables.data());
+  KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.pages_offset, tables.data(), tables.size(), cudaMemcpyHostToDevice,
+                                     ctx.stream));
+
+  // ── Statistics: the caller's, or the pre-pass ─────────────────────────────────────────────────
+  if (c.stats) {
+    const size_t bytes = hd * sizeof(float);
+    KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.mu_k_offset, c.stats->mu_k.data(), bytes, cudaMemcpyHostToDevice, ctx.stream));
+    KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.mu_v_offset, c.stats->mu_v.data(), bytes, cudaMemcpyHostToDevice, ctx.stream));
+    KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.lambda_offset, c.stats->lambda.data(), bytes, cudaMemcpyHostToDevice, ctx.stream));
+  } else {
+    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::stats_ms)));
+    KVPACK_RETURN_IF_ERROR(ComputeStatsOnDevice(c, t, layout, kv, main, gemm, ctx));
+    KVPACK_RETURN_IF_ERROR(clock.Stop());
+  }
+
+  // ── Streamed projection: per chunk one GEMM into [Tp, 2·H·d] bf16, one fused epilogue ─────────
+  const KvEntryView view = MakeKvView(layout, c.shape, kv, c.transforms);
+  uint16_t* projected = reinterpret_cast<uint16_t*>(main);
+  RowEpilogueParams p = BaseRowParams(c, t);
+  p.in = projected, p.in_stride = 2 * hd;
+  p.mu_k = view.mu_k, p.mu_v = view.mu_v, p.lambda = view.lambda;
+  p.kv_block = kv, p.pages = view.pages, p.n_pages = view.n_pages;
+  p.k_offsets = view.k_offsets, p.v_offsets = view.v_offsets;
+  const int64_t tp = ProjectionRows(c);
+  for (int64_t t0 = 0; t0 < n; t0 += tp) {
+    KVPACK_RETURN_IF_ERROR(Cancelled(cancel));
+    const int64_t rows = std::min(tp, n - t0);
+    GemmArgs g;
+    g.a = t.x + t0 * hidden, g.lda = hidden;
+    g.b = t.w_qkv + hd * hidden, g.ldb = hidden;
+    g.c = projected, g.ldc = 2 * hd;
+    g.m = rows, g.n = 2 * hd, g.k = hidden;
+    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::kv_gemm_ms)));
+    KVPACK_RETURN_IF_ERROR(gemm.Run(g, ctx.stream));
+    KVPACK_RETURN_IF_ERROR(clock.Stop());
+    p.n_rows = rows, p.token_begin = t0;
+    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::kv_epilogue_ms)));
+    KVPACK_RETURN_IF_ERROR(LaunchRowEpilogue(RowMode::kPackKv, p, ctx.stream));
+    KVPACK_RETURN_IF_ERROR(clock.Stop());
+  }
+  return clock.Finish();
+}
+
+Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView& kv, uint8_t* workspace,
+                  const CudaContext& ctx, const CancelFn& cancel) {
+  KVPACK_RETURN_IF_ERROR(Supported(c));
+  KVPACK_RETURN_IF_ERROR(CheckTensors(c, t));
+  KVPACK_RETURN_IF_ERROR(AttentionSupported(kv));
+  if (kv.n_heads != c.shape.n_heads || kv.head_dim != c.shape.head_dim || kv.n_tokens != c.shape.n_tokens) {
+    return InvalidArgument("kv: the entry's shape (heads, head_dim, tokens) differs from the layer's");
+  }
+  const int64_t n = c.shape.n_tokens, hd = c.shape.HeadCols(), hidden = c.shape.hidden;
+  uint8_t* main = workspace + kBlasWorkspaceBytes;
+  BlasGemm gemm(ctx.blas, workspace);
+  StageClock clock(ctx);
+
+  uint16_t* q = reinterpret_cast<uint16_t*>(main);  // [Tq, H·d] bf16
+  RowEpilogueParams p = BaseRowParams(c, t);
+  p.in = q, p.in_stride = hd, p.out_bf16 = q, p.out_stride = hd;
+  p.lambda = kv.lambda, p.rotate = kv.rotate, p.seed = kv.seed;
+  AttentionParams a;
+  a.q = q, a.q_stride = hd;
+  a.out_stride = hd;
+  a.kv = kv;
+  a.softmax_scale = c.attention.softmax_scale > 0.0f ? c.attention.softmax_scale
+                                                      : 1.0f / std::sqrt(static_cast<float>(c.shape.head_dim));
+  a.causal = c.attention.causal;
+  a.max_page_bytes = MaxPageBytes(c);
+  a.tiling = ctx.attention_tiling;
+
+  const int64_t tq = QueryRows(c);
+  for (int64_t q0 = 0; q0 < n; q0 += tq) {
+    KVPACK_RETURN_IF_ERROR(Cancelled(cancel));
+    const int64_t rows = std::min(tq, n - q0);
+    GemmArgs g;
+    g.a = t.x + q0 * hidden, g.lda = hidden;
+    g.b = t.w_qkv, g.ldb = hidden;  // rows [q] of W
+    g.c = q, g.ldc = hd;
+    g.m = rows, g.n = hd, g.k = hidden;
+    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::q_gemm_ms)));
+    KVPACK_RETURN_IF_ERROR(gemm.Run(g, ctx.stream));
+    KVPACK_RETURN_IF_ERROR(clock.Stop());
+    p.n_rows = rows, p.token_begin = q0;
+    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::q_epilogue_ms)));
+    KVPACK_RETURN_IF_ERROR(LaunchRowEpilogue(RowMode::kQuery, p, ctx.stream));
+    KVPACK_RETURN_IF_ERROR(clock.Stop());
+    // In place, rows [q0, q0 + rows) of x are overwritten only now, after every read of them
+    // (K/V projection finished before this call; this chunk's Q was projected just above).
+    a.q_token_begin = q0, a.n_q = rows;
+    a.out = t.out + q0 * hd;
+    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::attention_ms)));
+    KVPACK_RETURN_IF_ERROR(LaunchAttention(a, ctx.stream));
+    KVPACK_RETURN_IF_ERROR(clock.Stop());
+  }
+  return clock.Finish();
+}
+
+Error RunLayer(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* workspace, const CudaContext& ctx,
+               const CancelFn& cancel) {
+  KVPACK_RETURN_IF_ERROR(ProjectKv(c, t, kv, workspace, ctx, cancel));
+  const KvEntryView view = MakeKvView(PlanKvLayout(c.shape, c.ranges), c.shape, kv, c.transforms);
+  KVPACK_RETURN_IF_ERROR(AttendLayer(c, t, view, workspace, ctx, cancel));
+  return CudaError(cudaStreamSynchronize(ctx.stream), "layer");
+}
+
+}  // namespace kvpack::cuda

@@ -1,0 +1,300 @@
+#include "kernels/cuda/row_epilogue.h"
+
+#include <cmath>
+
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/warp_row.cuh"
+
+namespace kvpack::cuda {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+
+// RoPE on one row (after QK-norm, before smoothing), the CPU reference's arithmetic without FMA
+// contraction. `buf` is this warp's d floats of shared memory, used to read each channel's partner.
+template <int kPerLane>
+__device__ void ApplyRope(float (&x)[kPerLane], float* buf, int lane, const RowEpilogueParams& p, int64_t token) {
+  const int half = p.rope_pairs;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) buf[lane * kPerLane + i] = x[i];
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int c = lane * kPerLane + i;
+    if (c >= 2 * half) continue;
+    int pair, partner;
+    bool first;
+    if (p.rope_layout == RopeLayout::kInterleaved) {
+      pair = c >> 1, first = (c & 1) == 0, partner = c ^ 1;
+    } else {
+      first = c < half;
+      pair = first ? c : c - half;
+      partner = first ? c + half : c - half;
+    }
+    const float angle = __fmul_rn(p.positions[token * p.rope_axes + p.rope_axis_of_pair[pair]], p.rope_inv_freq[pair]);
+    const float co = cosf(angle), s = sinf(angle);
+    const float other = buf[partner];
+    // (x0, x1) → (x0·cos − x1·sin, x0·sin + x1·cos), x0 the first channel of the pair.
+    x[i] = first ? __fsub_rn(__fmul_rn(x[i], co), __fmul_rn(other, s))
+                 : __fadd_rn(__fmul_rn(other, s), __fmul_rn(x[i], co));
+  }
+  __syncwarp();
+}
+
+// Quantizes one rotated row into `slot` of `page` (format.h encoders, lane-parallel).
+template <int kPerLane>
+__device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat format, int slot, uint8_t* page) {
+  constexpr int kDim = 32 * kPerLane;
+  uint8_t* codes = page + slot * CodeBytesPerRow(format, kDim);
+  uint8_t* meta = page + MetaOffset(format, kDim) + slot * MetaBytesPerRow(format);
+  if (format == PageFormat::kInt4) {
+    float mn = x[0], mx = x[0];
+#pragma unroll
+    for (int i = 1; i < kPerLane; ++i) mn = fminf(mn, x[i]), mx = fmaxf(mx, x[i]);
+    mn = WarpMin(mn), mx = WarpMax(mx);
+    const uint16_t scale_bits = FloatToHalf(ClampToHalfRange((mx - mn) / 15.0f));
+    const uint16_t lo_bits = FloatToHalf(ClampToHalfRange(mn));
+    const float scale = HalfToFloat(scale_bits), lo = HalfToFloat(lo_bits);
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const float c = fminf(fmaxf(rintf((x[i] - lo) * inv), 0.0f), 15.0f);
+      packed |= static_cast<uint32_t>(c) << (4 * i);  // channel 2j low nibble, 2j+1 high nibble
+    }
+    if constexpr (kPerLane == 4) {
+      *reinterpret_cast<uint16_t*>(codes + 2 * lane) = static_cast<uint16_t>(packed);
+    } else {
+      codes[lane] = static_cast<uint8_t>(packed);
+    }
+    if (lane == 0) *reinterpret_cast<uint32_t*>(meta) = scale_bits | (static_cast<uint32_t>(lo_bits) << 16);
+  } else if (format == PageFormat::kInt8) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    amax = WarpMax(amax);
+    const uint16_t scale_bits = FloatToHalf(ClampToHalfRange(amax / 127.0f));
+    const float scale = HalfToFloat(scale_bits);
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    uint32_t packed = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const float c = fminf(fmaxf(rintf(x[i] * inv), -127.0f), 127.0f);
+      packed |= (static_cast<uint32_t>(static_cast<int32_t>(c)) & 0xffu) << (8 * i);
+    }
+    if constexpr (kPerLane == 4) {
+      *reinterpret_cast<uint32_t*>(codes + 4 * lane) = packed;
+    } else {
+      *reinterpret_cast<uint16_t*>(codes + 2 * lane) = static_cast<uint16_t>(packed);
+    }
+    if (lane == 0) *reinterpret_cast<uint16_t*>(meta) = scale_bits;
+  } else {
+    StoreBf16(reinterpret_cast<uint16_t*>(codes) + kPerLane * lane, x);
+  }
+}
+
+// kWarpsPerToken warps share one token: warp `sub` of the group takes rows j = sub, sub + 4, … of
+// the token's kBlocks·H rows (j = block·H + head; block 0/1 = K/V, or 0 = Q). A warp finds the
+// token's page and its rotation signs once, and loads row j + 4 while it transforms row j, so each
+// warp keeps a load in flight instead of waiting on one 256-byte row at a time.
+constexpr int kWarpsPerToken = 4;
+constexpr int kTokensPerBlock = kWarpsPerBlock / kWarpsPerToken;
+
+template <int kDim, RowMode kMode>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const RowEpilogueParams p) {
+  constexpr int kPerLane = kDim / 32;
+  constexpr int kBlocks = kMode == RowMode::kQuery ? 1 : 2;
+  __shared__ float rope_buf[kWarpsPerBlock][kDim];
+
+  // ── Which token, which rows ───────────────────────────────────────────────────────────────────
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kTokensPerBlock + warp / kWarpsPerToken;
+  const int sub = warp % kWarpsPerToken;
+  if (row >= p.n_rows) return;  // warp-uniform
+  const int n_rows_of_token = kBlocks * p.n_heads;
+  const int64_t head_cols = static_cast<int64_t>(p.n_heads) * kDim;
+  const int64_t token = p.token_index ? p.token_index[row] : p.token_begin + row;
+  const int chan = lane * kPerLane;  // first channel of this lane
+  const uint16_t* in_row = p.in + row * p.in_stride + chan;
+  float sign[kPerLane];
+  LaneSigns(sign, lane, p.seed);
+  int page_index = 0, slot = 0;
+  PageFormat format = PageFormat::kInt4;
+  if constexpr (kMode == RowMode::kPackKv) {
+    page_index = FindPage(p.pages, p.n_pages, token);
+    const PageDesc page = p.pages[page_index];
+    format = static_cast<PageFormat>(page.format);
+    slot = static_cast<int>(token - page.token_begin);
+  }
+
+  float next[kPerLane];
+  if (sub < n_rows_of_token) LoadBf16(in_row + sub * kDim, next);
+  for (int j = sub; j < n_rows_of_token; j += kWarpsPerToken) {
+    float x[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) x[i] = next[i];
+    if (j + kWarpsPerToken < n_rows_of_token) LoadBf16(in_row + (j + kWarpsPerToken) * kDim, next);
+    const int which = j / p.n_heads, head = j % p.n_heads;  // columns j·d … of the input row
+    const int kind = kMode == RowMode::kQuery ? 0 : 1 + which;  // 0 q, 1 k, 2 v: W / bias block
+    const int hc = head * kDim + chan;                          // column inside one q / k / v block
+
+    // ── Bias, QK-norm, RoPE ─────────────────────────────────────────────────────────────────────
+    if (p.bias) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) x[i] += p.bias[kind * head_cols + hc + i];
+    }
+    const float* norm_w = kind == 0 ? p.q_norm_weight : (kind == 1 ? p.k_norm_weight : nullptr);
+    if (p.norm && norm_w) {
+      float ss = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) ss += x[i] * x[i];
+      const float r = 1.0f / sqrtf(WarpSum(ss) / static_cast<float>(kDim) + p.norm_eps);
+      const int w0 = p.norm_weight_len == kDim ? chan : hc;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], r), norm_w[w0 + i]);
+    }
+    if (kind != 2 && p.rope_layout != RopeLayout::kNone) ApplyRope(x, rope_buf[warp], lane, p, token);
+
+    // ── Mode-specific tail ──────────────────────────────────────────────────────────────────────
+    if constexpr (kMode == RowMode::kStats) {
+      float* out = p.out_float + row * 2 * head_cols + which * head_cols + hc;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) out[i] = x[i];
+    } else if constexpr (kMode == RowMode::kQuery) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) x[i] *= p.lambda[hc + i];
+      if (p.rotate) WarpRotateForward(x, lane, sign);
+      StoreBf16(p.out_bf16 + row * p.out_stride + hc, x);
+    } else {
+      if (which == 0) {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) x[i] = (x[i] - p.mu_k[hc + i]) / p.lambda[hc + i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) x[i] -= p.mu_v[hc + i];
+      }
+      if (p.rotate) WarpRotateForward(x, lane, sign);
+      const uint64_t offset = (which == 0 ? p.k_offsets : p.v_offsets)[static_cast<int64_t>(head) * p.n_pages + page_index];
+      StorePageRow(x, lane, format, slot, p.kv_block + offset);
+    }
+  }
+}
+
+template <int kDim>
+Error LaunchForDim(RowMode mode, const RowEpilogueParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((p.n_rows + kTokensPerBlock - 1) / kTokensPerBlock));
+  const dim3 block(32 * kWarpsPerBlock);
+  switch (mode) {
+    case RowMode::kPackKv: RowEpilogueKernel<kDim, RowMode::kPackKv><<<grid, block, 0, stream>>>(p); break;
+    case RowMode::kStats: RowEpilogueKernel<kDim, RowMode::kStats><<<grid, block, 0, stream>>>(p); break;
+    case RowMode::kQuery: RowEpilogueKernel<kDim, RowMode::kQuery><<<grid, block, 0, stream>>>(p); break;
+  }
+  KVPACK_CUDA_RETURN_LAUNCH("row epilogue kernel");
+  return Error::Ok();
+}
+
+__global__ void GatherRowsKernel(const uint16_t* x, int64_t hidden, const int64_t* token_index, uint16_t* out) {
+  const int64_t row = blockIdx.x;
+  const uint4* src = reinterpret_cast<const uint4*>(x + token_index[row] * hidden);
+  uint4* dst = reinterpret_cast<uint4*>(out + row * hidden);
+  for (int64_t i = threadIdx.x; i < hidden / 8; i += blockDim.x) dst[i] = src[i];
+}
+
+// One block per head: kStatsGroups sample groups × d channels; group partials (double) are combined
+// in a fixed order, so the result is deterministic.
+constexpr int kStatsGroups = 8;
+
+template <int kDim>
+__global__ void __launch_bounds__(kDim * kStatsGroups) KvStatsKernel(const float* kv, int64_t n_sample, int n_heads,
+                                                                     bool smooth, bool balance, float* mu_k,
+                                                                     float* mu_v, float* lambda) {
+  __shared__ double part[2][kStatsGroups][kDim];
+  __shared__ double range[kDim];
+  const int c = threadIdx.x % kDim, group = threadIdx.x / kDim, head = blockIdx.x;
+  const int64_t head_cols = static_cast<int64_t>(n_heads) * kDim;
+  const int64_t stride = 2 * head_cols;
+  const int64_t kc = static_cast<int64_t>(head) * kDim + c;
+  double sum_k = 0.0, sum_v = 0.0;
+  if (smooth) {
+    for (int64_t r = group; r < n_sample; r += kStatsGroups) {
+      sum_k += kv[r * stride + kc];
+      sum_v += kv[r * stride + head_cols + kc];
+    }
+  }
+  part[0][group][c] = sum_k, part[1][group][c] = sum_v;
+  __syncthreads();
+  double total_k = 0.0, total_v = 0.0;
+  for (int g = 0; g < kStatsGroups; ++g) total_k += part[0][g][c], total_v += part[1][g][c];
+  const float mk = smooth ? static_cast<float>(total_k / static_cast<double>(n_sample)) : 0.0f;
+  const float mv = smooth ? static_cast<float>(total_v / static_cast<double>(n_sample)) : 0.0f;
+  double m = 0.0;
+  for (int64_t r = group; r < n_sample; r += kStatsGroups) {
+    m = fmax(m, fabs(static_cast<double>(kv[r * stride + kc]) - static_cast<double>(mk)));
+  }
+  __syncthreads();
+  part[0][group][c] = m;
+  __syncthreads();
+  if (group == 0) {
+    for (int g = 1; g < kStatsGroups; ++g) m = fmax(m, part[0][g][c]);
+    range[c] = m;
+  }
+  __syncthreads();
+  if (group != 0) return;
+  double widest = 0.0;
+  for (int i = 0; i < kDim; ++i) widest = fmax(widest, range[i]);
+  float lam = 1.0f;
+  if (balance && widest > 0.0 && isfinite(widest)) {
+    double log_sum = 0.0;
+    for (int i = 0; i < kDim; ++i) log_sum += log(sqrt(fmax(range[i], kLambdaFloor * widest)));
+    lam = static_cast<float>(sqrt(fmax(m, kLambdaFloor * widest)) / exp(log_sum / kDim));
+  }
+  mu_k[kc] = mk;
+  mu_v[kc] = mv;
+  lambda[kc] = lam;
+}
+
+}  // namespace
+
+void FillRopeTable(const RopeOptions& rope, RowEpilogueParams* params) {
+  params->rope_layout = rope.layout;
+  params->rope_axes = rope.n_axes;
+  int pair = 0;
+  for (int a = 0; a < rope.n_axes && rope.layout != RopeLayout::kNone; ++a) {
+    for (int i = 0; i < rope.axis_dims[a] / 2 && pair < kMaxHeadDimGpu / 2; ++i, ++pair) {
+      params->rope_inv_freq[pair] = static_cast<float>(
+          std::pow(static_cast<double>(rope.theta), -2.0 * i / static_cast<double>(rope.axis_dims[a])));
+      params->rope_axis_of_pair[pair] = static_cast<uint8_t>(a);
+    }
+  }
+  params->rope_pairs = pair;
+}
+
+Error LaunchRowEpilogue(RowMode mode, const RowEpilogueParams& params, cudaStream_t stream) {
+  if (params.n_rows == 0) return Error::Ok();
+  if (params.head_dim == 128) return LaunchForDim<128>(mode, params, stream);
+  if (params.head_dim == 64) return LaunchForDim<64>(mode, params, stream);
+  return Unsupported("row epilogue: head_dim " + std::to_string(params.head_dim));
+}
+
+Error LaunchGatherRows(const uint16_t* x, int64_t hidden, const int64_t* token_index, int64_t n, uint16_t* out,
+                       cudaStream_t stream) {
+  if (n == 0) return Error::Ok();
+  GatherRowsKernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(x, hidden, token_index, out);
+  KVPACK_CUDA_RETURN_LAUNCH("gather kernel");
+  return Error::Ok();
+}
+
+Error LaunchKvStats(const float* kv, int64_t n_sample, int n_heads, int head_dim, bool smooth, bool balance,
+                    float* mu_k, float* mu_v, float* lambda, cudaStream_t stream) {
+  if (head_dim == 128) {
+    KvStatsKernel<128><<<n_heads, 128 * kStatsGroups, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, mu_k, mu_v, lambda);
+  } else if (head_dim == 64) {
+    KvStatsKernel<64><<<n_heads, 64 * kStatsGroups, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, mu_k, mu_v, lambda);
+  } else {
+    return Unsupported("stats: head_dim " + std::to_string(head_dim));
+  }
+  KVPACK_CUDA_RETURN_LAUNCH("stats kernel");
+  return Error::Ok();
+}
+
+}  // namespace kvpack::cuda

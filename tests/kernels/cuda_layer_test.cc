@@ -1,0 +1,616 @@
+// kvpack::cuda layer engine against host references built from format.h / rotation.h and FP64
+// attention. GPU tests skip with a message when no CUDA device answers.
+//
+// Per case (fresh seeded structured inputs: channel offsets, 10–40× outlier channels, heavy tails):
+//   1. packed pages: the GPU's codes equal the host encoding of the same rows (host GEMM rounded to
+//      bf16, the GPU's μ/λ) for ≥ kCodeMatchFraction of the values, and decoded values lie within
+//      one quantization step of the host's (all but kBeyondOneStepFraction, none beyond kMaxSteps);
+//      the step of a BF16 row is one bf16 ulp of the row's largest value;
+//   2. statistics: μ_k, μ_v, λ match the host's over the same strided sample;
+//   3. attention: output (poisoned with NaN before the run) vs FP64 attention over the GPU's own
+//      decoded pages (tests the attention kernel alone) and vs FP64 unquantized attention (the
+//      end-to-end accuracy of the format).
+#include "kernels/cuda/layer.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "kernels/cpu/epilogue.h"
+#include "kernels/cpu/layer.h"
+#include "kernels/format.h"
+#include "kernels/rotation.h"
+
+namespace kvpack::cuda {
+namespace {
+
+constexpr double kCodeMatchFraction = 0.999;
+// A bf16 code changes with any 1-ulp change of its input (e.g. the GEMM's fp32 summation order, which
+// differs between cuBLAS and the CPU reference), so BF16 pages are held to a looser identity.
+constexpr double kBf16CodeMatchFraction = 0.995;
+// The host GEMM (fp64, rounded to bf16) and cuBLAS (fp32, its own order) round a few products to
+// different bf16 neighbours; when that lands in an outlier channel the rotation spreads it over the
+// whole row, so a handful of values may sit just beyond one step — never beyond two.
+constexpr double kBeyondOneStepFraction = 1e-4;
+constexpr double kMaxSteps = 2.0;
+// vs FP64 over the decoded pages: bf16 Q, bf16 decoded K/V tiles, bf16 P, bf16 output.
+constexpr double kDecodedRelL2 = 1.5e-2;
+// vs FP64 unquantized attention, by the lowest precision present.
+constexpr double kInt4RelL2 = 0.15;
+constexpr double kInt8RelL2 = 3e-2;
+constexpr double kBf16RelL2 = 2e-2;
+constexpr double kStatsRelTol = 2e-3;
+// vs the CPU backend (same format, same stats up to rounding; the GPU's bf16 tiles and bf16 P).
+constexpr double kCpuRelL2 = 1.5e-2;
+
+bool HaveDevice() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define SKIP_WITHOUT_GPU()                                                                 \
+  do {                                                                                     \
+    if (!HaveDevice()) GTEST_SKIP() << "no CUDA device answers (cudaGetDeviceCount): GPU test skipped"; \
+  } while (0)
+
+#define ASSERT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
+#define ASSERT_OK(expr)                                  \
+  do {                                                   \
+    const ::kvpack::Error e_ = (expr);                   \
+    ASSERT_TRUE(e_.ok()) << #expr << ": " << e_.message(); \
+  } while (0)
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) { ok_ = cudaMalloc(&p_, bytes ? bytes : 1) == cudaSuccess; }
+  ~DeviceBuffer() { if (ok_) cudaFree(p_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  template <typename T> T* as() const { return static_cast<T*>(p_); }
+  bool ok() const { return ok_; }
+
+ private:
+  void* p_ = nullptr;
+  bool ok_ = false;
+};
+
+struct Case {
+  const char* name;
+  int64_t n;
+  int hidden, heads, dim;
+  std::vector<TokenRange> ranges;
+  bool causal = false, in_place = false, bias = true, norm = false;
+  RopeLayout rope = RopeLayout::kNone;
+  int rope_axes = 0, axis_dims[3] = {0, 0, 0};
+  bool transforms = true;
+  int64_t projection_chunk = 4096, query_chunk = 4096;
+  uint64_t seed = 1;
+  AttentionTilingChoice tiling = AttentionTilingChoice::kTall;  // both tilings are tested explicitly
+};
+
+float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
+
+// Host inputs and the float q, k, v ([N, H, d]) after bias / QK-norm / RoPE, as the GPU computes them.
+struct HostLayer {
+  LayerConfig config;
+  std::vector<uint16_t> x, w;
+  std::vector<float> bias, q_norm, k_norm, positions;
+  std::vector<float> q, k, v;
+};
+
+template <typename Fn>
+void ParallelFor(int64_t n, Fn fn) {
+  const int threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (int i = 0; i < threads; ++i) {
+    pool.emplace_back([&, i] {
+      for (int64_t j = i; j < n; j += threads) fn(j);
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+
+HostLayer MakeLayer(const Case& c) {
+  HostLayer L;
+  LayerConfig& cfg = L.config;
+  cfg.shape = {c.n, c.hidden, c.heads, c.dim};
+  cfg.ranges = c.ranges;
+  cfg.attention.causal = c.causal;
+  cfg.in_place = c.in_place;
+  cfg.has_bias = c.bias;
+  cfg.projection_chunk = c.projection_chunk;
+  cfg.query_chunk = c.query_chunk;
+  cfg.transforms.rotate = cfg.transforms.smooth = cfg.transforms.balance = c.transforms;
+  cfg.transforms.seed = 0x5eed0000ull + c.seed;
+  cfg.transforms.stats_sample_tokens = 512;
+  if (c.norm) cfg.qk_norm = {true, 1e-6f, c.dim * c.heads};
+  if (c.rope != RopeLayout::kNone) {
+    cfg.rope.layout = c.rope;
+    cfg.rope.n_axes = c.rope_axes;
+    for (int a = 0; a < 3; ++a) cfg.rope.axis_dims[a] = c.axis_dims[a];
+  }
+
+  std::mt19937_64 rng(c.seed * 7919 + 17);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(0.05f, 1.0f);
+  const int64_t n = c.n, dh = c.hidden, hd = static_cast<int64_t>(c.heads) * c.dim, cols = 3 * hd;
+  // x: a shared mean (→ per-channel offsets of q, k, v) plus heavy-tailed noise.
+  std::vector<float> mean(dh);
+  for (auto& m : mean) m = 0.8f * normal(rng);
+  L.x.resize(n * dh);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < dh; ++j) {
+      const float tail = normal(rng) / std::sqrt(uniform(rng));  // Student-like tails
+      L.x[i * dh + j] = FloatToBf16(mean[j] + 0.6f * std::clamp(tail, -12.0f, 12.0f));
+    }
+  }
+  // W: N(0, 1/D), with a few outlier output channels (10–40×) in K and V.
+  L.w.resize(cols * dh);
+  const float wscale = 1.0f / std::sqrt(static_cast<float>(dh));
+  for (int64_t r = 0; r < cols; ++r) {
+    const bool outlier = r >= hd && (r % 29 == 5);
+    const float s = outlier ? wscale * (10.0f + 30.0f * uniform(rng)) : wscale;
+    for (int64_t j = 0; j < dh; ++j) L.w[r * dh + j] = FloatToBf16(s * normal(rng));
+  }
+  L.bias.resize(cols);
+  for (auto& b : L.bias) b = 0.3f * normal(rng);
+  L.q_norm.resize(hd), L.k_norm.resize(hd);
+  for (auto& v : L.q_norm) v = 0.8f + 0.4f * uniform(rng);
+  for (auto& v : L.k_norm) v = 0.8f + 0.4f * uniform(rng);
+  const int axes = std::max(1, c.rope_axes);
+  L.positions.resize(n * axes);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int a = 0; a < axes; ++a) L.positions[i * axes + a] = static_cast<float>((i / (a + 1)) % 97 + a);
+  }
+
+  // Host projection: fp64 dot products rounded to bf16 (the GEMM's bf16 workspace), then epilogue.
+  L.q.resize(n * hd), L.k.resize(n * hd), L.v.resize(n * hd);
+  ParallelFor(n, [&](int64_t i) {
+    std::vector<float> row(cols);
+    for (int64_t r = 0; r < cols; ++r) {
+      double acc = 0;
+      const uint16_t* xr = &L.x[i * dh];
+      const uint16_t* wr = &L.w[r * dh];
+      for (int64_t j = 0; j < dh; ++j) acc += static_cast<double>(Bf16ToFloat(xr[j])) * Bf16ToFloat(wr[j]);
+      row[r] = RoundBf16(static_cast<float>(acc)) + (c.bias ? L.bias[r] : 0.0f);
+    }
+    for (int kind = 0; kind < 3; ++kind) {
+      for (int h = 0; h < c.heads; ++h) {
+        float* x = &row[kind * hd + h * c.dim];
+        if (c.norm && kind < 2) {
+          cpu::ApplyQkNorm(x, c.dim, (kind == 0 ? L.q_norm.data() : L.k_norm.data()) + h * c.dim, cfg.qk_norm.eps);
+        }
+        if (c.rope != RopeLayout::kNone && kind < 2) cpu::ApplyRope(x, c.dim, cfg.rope, &L.positions[i * c.rope_axes]);
+        float* dst = (kind == 0 ? L.q : kind == 1 ? L.k : L.v).data() + (i * c.heads + h) * c.dim;
+        std::memcpy(dst, x, c.dim * sizeof(float));
+      }
+    }
+  });
+  return L;
+}
+
+std::vector<int32_t> TokenSeqIds(const LayerConfig& c) {
+  std::vector<int32_t> ids(c.shape.n_tokens);
+  for (const auto& r : c.ranges) std::fill(ids.begin() + r.begin, ids.begin() + r.end, r.seq_id);
+  return ids;
+}
+
+// FP64 attention of q over k, v ([N, H, d] floats) with sequence and causal masks; out [N, H, d].
+std::vector<double> Attend(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+                           const std::vector<int32_t>& seq, int heads, int dim, bool causal, double scale) {
+  const int64_t n = static_cast<int64_t>(seq.size());
+  std::vector<double> out(n * heads * dim);
+  ParallelFor(n * heads, [&](int64_t job) {
+    const int64_t i = job / heads;
+    const int h = static_cast<int>(job % heads);
+    const float* qi = &q[(i * heads + h) * dim];
+    std::vector<double> s(n);
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      if (seq[j] != seq[i] || (causal && j > i)) { s[j] = -INFINITY; continue; }
+      const float* kj = &k[(j * heads + h) * dim];
+      double acc = 0;
+      for (int e = 0; e < dim; ++e) acc += static_cast<double>(qi[e]) * kj[e];
+      s[j] = acc * scale;
+      mx = std::max(mx, s[j]);
+    }
+    double sum = 0;
+    double* o = &out[(i * heads + h) * dim];
+    for (int64_t j = 0; j < n; ++j) {
+      if (s[j] == -INFINITY) continue;
+      const double p = std::exp(s[j] - mx);
+      sum += p;
+      const float* vj = &v[(j * heads + h) * dim];
+      for (int e = 0; e < dim; ++e) o[e] += p * vj[e];
+    }
+    for (int e = 0; e < dim; ++e) o[e] /= sum;
+  });
+  return out;
+}
+
+double RelL2(const std::vector<float>& got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = got[i] - want[i];
+    num += d * d, den += want[i] * want[i];
+  }
+  return std::sqrt(num / den);
+}
+
+double WorstTolerance(const std::vector<TokenRange>& ranges) {
+  double tol = kBf16RelL2;
+  for (const auto& r : ranges) {
+    tol = std::max(tol, r.format == PageFormat::kInt4 ? kInt4RelL2 : r.format == PageFormat::kInt8 ? kInt8RelL2 : kBf16RelL2);
+  }
+  return tol;
+}
+
+struct CaseErrors {
+  double vs_decoded = -1, vs_exact = -1;
+};
+
+// Runs one case; `check_exact` holds the error vs FP64 unquantized to the format's tolerance.
+void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = true) {
+  HostLayer L = MakeLayer(c);
+  const LayerConfig& cfg = L.config;
+  ASSERT_OK(Supported(cfg));
+  const int64_t n = c.n, hd = static_cast<int64_t>(c.heads) * c.dim;
+  const KvLayout layout = PlanKvLayout(cfg.shape, cfg.ranges);
+
+  // ── Device inputs; the output poisoned with NaN (0xffff bf16) ────────────────────────────────
+  DeviceBuffer x(L.x.size() * 2), w(L.w.size() * 2), bias(L.bias.size() * 4), qn(hd * 4), kn(hd * 4),
+      pos(L.positions.size() * 4), out(c.in_place ? 1 : n * hd * 2), kv(KvBytes(cfg)), ws(WorkspaceBytes(cfg));
+  ASSERT_TRUE(x.ok() && w.ok() && out.ok() && kv.ok() && ws.ok());
+  ASSERT_CUDA(cudaMemcpy(x.as<void>(), L.x.data(), L.x.size() * 2, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(w.as<void>(), L.w.data(), L.w.size() * 2, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(bias.as<void>(), L.bias.data(), L.bias.size() * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(qn.as<void>(), L.q_norm.data(), hd * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(kn.as<void>(), L.k_norm.data(), hd * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(pos.as<void>(), L.positions.data(), L.positions.size() * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemset(kv.as<void>(), 0xa5, KvBytes(cfg)));  // garbage the engine must overwrite
+  if (!c.in_place) {
+    ASSERT_CUDA(cudaMemset(out.as<void>(), 0xff, n * hd * 2));
+  }
+  LayerTensors t;
+  t.x = x.as<uint16_t>();
+  t.w_qkv = w.as<uint16_t>();
+  t.bias = bias.as<float>();
+  t.q_norm_weight = qn.as<float>();
+  t.k_norm_weight = kn.as<float>();
+  t.positions = cfg.rope.layout != RopeLayout::kNone ? pos.as<float>() : nullptr;
+  t.out = c.in_place ? x.as<uint16_t>() : out.as<uint16_t>();
+
+  CudaContext ctx;
+  ctx.attention_tiling = c.tiling;
+  ASSERT_CUDA(cudaStreamCreate(&ctx.stream));
+  ASSERT_EQ(cublasLtCreate(&ctx.blas), CUBLAS_STATUS_SUCCESS);
+  ASSERT_OK(RunLayer(cfg, t, kv.as<uint8_t>(), ws.as<uint8_t>(), ctx, nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+
+  std::vector<uint8_t> block(KvBytes(cfg));
+  std::vector<uint16_t> out_bits(n * hd);
+  ASSERT_CUDA(cudaMemcpy(block.data(), kv.as<void>(), block.size(), cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(out_bits.data(), t.out, n * hd * 2, cudaMemcpyDeviceToHost));
+  cublasLtDestroy(ctx.blas);
+  cudaStreamDestroy(ctx.stream);
+
+  // ── Statistics over the same strided sample ───────────────────────────────────────────────────
+  const float* mu_k = reinterpret_cast<const float*>(block.data() + layout.mu_k_offset);
+  const float* mu_v = reinterpret_cast<const float*>(block.data() + layout.mu_v_offset);
+  const float* lambda = reinterpret_cast<const float*>(block.data() + layout.lambda_offset);
+  {
+    const KvStats want = cpu::ComputeStats(L.k.data(), L.v.data(), cfg.shape, cfg.transforms);
+    double worst_mu = 0, worst_lambda = 0, scale_mu = 1.0;
+    for (int64_t col = 0; col < hd; ++col) {
+      scale_mu = std::max({scale_mu, std::fabs(double(want.mu_k[col])), std::fabs(double(want.mu_v[col]))});
+      worst_mu = std::max({worst_mu, std::fabs(double(mu_k[col]) - want.mu_k[col]), std::fabs(double(mu_v[col]) - want.mu_v[col])});
+      worst_lambda = std::max(worst_lambda, std::fabs(double(lambda[col]) - want.lambda[col]) / want.lambda[col]);
+    }
+    std::printf("[%s] stats vs cpu::ComputeStats: mu %.2e (relative to max |mu|), lambda %.2e\n", c.name,
+                worst_mu / scale_mu, worst_lambda);
+    EXPECT_LE(worst_mu / scale_mu, kStatsRelTol) << "mu";
+    EXPECT_LE(worst_lambda, kStatsRelTol) << "lambda";
+  }
+
+  // ── The CPU backend on the same inputs: its block and its output ──────────────────────────────
+  std::vector<uint8_t> cpu_block(cpu::KvBytes(cfg)), cpu_ws(cpu::WorkspaceBytes(cfg));
+  std::vector<uint16_t> cpu_x = L.x, cpu_out(c.in_place ? 0 : n * hd);
+  {
+    LayerTensors h;
+    h.x = cpu_x.data();
+    h.w_qkv = L.w.data();
+    h.bias = L.bias.data();
+    h.q_norm_weight = L.q_norm.data();
+    h.k_norm_weight = L.k_norm.data();
+    h.positions = cfg.rope.layout != RopeLayout::kNone ? L.positions.data() : nullptr;
+    h.out = c.in_place ? cpu_x.data() : cpu_out.data();
+    ASSERT_OK(cpu::RunLayer(cfg, h, cpu_block.data(), cpu_ws.data(), cpu::CpuOptions{}, nullptr));
+    if (c.in_place) cpu_out = cpu_x;
+  }
+  {
+    int64_t values = 0, same = 0;
+    for (size_t off = 0; off < layout.pages.size() * 2 * c.heads; ++off) {
+      const size_t which = off / (layout.pages.size() * c.heads), rest = off % (layout.pages.size() * c.heads);
+      const PageDesc& page = layout.pages[rest % layout.pages.size()];
+      const PageFormat f = static_cast<PageFormat>(page.format);
+      const uint64_t o = (which ? layout.v_offsets : layout.k_offsets)[rest];
+      const int code_bytes = page.n_valid * CodeBytesPerRow(f, c.dim);
+      for (int b = 0; b < code_bytes; ++b) {
+        const uint8_t g = block[o + b], w = cpu_block[o + b];
+        if (f == PageFormat::kInt4) {
+          values += 2, same += ((g ^ w) & 0x0f) == 0, same += ((g ^ w) & 0xf0) == 0;
+        } else if (f == PageFormat::kInt8) {
+          ++values, same += g == w;
+        } else if (b % 2 == 1) {
+          ++values, same += g == w && block[o + b - 1] == cpu_block[o + b - 1];
+        }
+      }
+    }
+    const double frac = double(same) / double(values);
+    std::printf("[%s] codes identical to cpu::RunLayer's block: %.6f (%lld of %lld)\n", c.name, frac,
+                static_cast<long long>(same), static_cast<long long>(values));
+    bool all_bf16 = true;
+    for (const auto& r : c.ranges) all_bf16 = all_bf16 && r.format == PageFormat::kBf16;
+    EXPECT_GE(frac, all_bf16 ? kBf16CodeMatchFraction : kCodeMatchFraction);
+  }
+
+  // ── Pages: host encoding of the same rows with the GPU's μ/λ ──────────────────────────────────
+  std::vector<float> k_hat(n * hd), v_hat(n * hd);  // decoded GPU pages (rotated space)
+  {
+    int64_t values = 0, same = 0, beyond_step = 0;
+    double worst_steps = 0;
+    std::vector<uint8_t> host_page(PageBytes(PageFormat::kBf16, c.dim));
+    std::vector<float> row(c.dim), got(c.dim), want(c.dim);
+    for (int which = 0; which < 2; ++which) {
+      for (int h = 0; h < c.heads; ++h) {
+        for (size_t pg = 0; pg < layout.pages.size(); ++pg) {
+          const PageDesc& page = layout.pages[pg];
+          const PageFormat f = static_cast<PageFormat>(page.format);
+          const uint64_t off = (which ? layout.v_offsets : layout.k_offsets)[h * layout.pages.size() + pg];
+          const uint8_t* gpu = block.data() + off;
+          std::fill(host_page.begin(), host_page.end(), 0);
+          for (int slot = 0; slot < page.n_valid; ++slot) {
+            const int64_t tok = page.token_begin + slot;
+            for (int e = 0; e < c.dim; ++e) {
+              const int64_t col = h * c.dim + e;
+              row[e] = which ? L.v[tok * hd + col] - mu_v[col] : (L.k[tok * hd + col] - mu_k[col]) / lambda[col];
+            }
+            if (c.transforms) RotateForward(row.data(), c.dim, cfg.transforms.seed);
+            EncodePageRow(f, row.data(), c.dim, slot, host_page.data());
+            DecodePageRow(f, gpu, c.dim, slot, got.data());
+            DecodePageRow(f, host_page.data(), c.dim, slot, want.data());
+            float step = 0;
+            if (f == PageFormat::kBf16) {
+              float amax = 0;
+              for (int e = 0; e < c.dim; ++e) amax = std::max(amax, std::fabs(want[e]));
+              step = amax * (1.0f / 256.0f);
+            } else {
+              uint16_t s_gpu, s_host;
+              std::memcpy(&s_gpu, gpu + MetaOffset(f, c.dim) + slot * MetaBytesPerRow(f), 2);
+              std::memcpy(&s_host, host_page.data() + MetaOffset(f, c.dim) + slot * MetaBytesPerRow(f), 2);
+              step = std::max(HalfToFloat(s_gpu), HalfToFloat(s_host)) * 1.01f;
+            }
+            const uint8_t* codes_gpu = gpu + slot * CodeBytesPerRow(f, c.dim);
+            const uint8_t* codes_host = host_page.data() + slot * CodeBytesPerRow(f, c.dim);
+            for (int e = 0; e < c.dim; ++e) {
+              bool eq;
+              if (f == PageFormat::kInt4) eq = ((codes_gpu[e / 2] >> (4 * (e & 1))) & 15) == ((codes_host[e / 2] >> (4 * (e & 1))) & 15);
+              else if (f == PageFormat::kInt8) eq = codes_gpu[e] == codes_host[e];
+              else eq = codes_gpu[2 * e] == codes_host[2 * e] && codes_gpu[2 * e + 1] == codes_host[2 * e + 1];
+              const double steps = std::fabs(got[e] - want[e]) / (step + 1e-12);
+              same += eq, ++values, beyond_step += steps > 1.0;
+              worst_steps = std::max(worst_steps, steps);
+              (which ? v_hat : k_hat)[tok * hd + h * c.dim + e] = got[e];
+            }
+          }
+        }
+      }
+    }
+    const double frac = double(same) / double(values);
+    std::printf("[%s] codes identical to the host encoding: %.6f (%lld of %lld), beyond one step: %lld, worst %.2f steps\n",
+                c.name, frac, static_cast<long long>(same), static_cast<long long>(values),
+                static_cast<long long>(beyond_step), worst_steps);
+    EXPECT_GE(frac, kCodeMatchFraction);
+    EXPECT_LE(double(beyond_step) / double(values), kBeyondOneStepFraction);
+    EXPECT_LE(worst_steps, kMaxSteps);
+  }
+
+  // ── Attention ─────────────────────────────────────────────────────────────────────────────────
+  std::vector<float> got(n * hd);
+  int64_t non_finite = 0;
+  for (int64_t i = 0; i < n * hd; ++i) {
+    got[i] = Bf16ToFloat(out_bits[i]);
+    non_finite += !std::isfinite(got[i]);
+  }
+  EXPECT_EQ(non_finite, 0) << "outputs left unwritten (NaN poison) or non-finite";
+  const std::vector<int32_t> seq = TokenSeqIds(cfg);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
+  // (a) over the GPU's own decoded pages: Q as the GPU forms it (bf16 of R·(q⊙λ)).
+  std::vector<float> q_hat(n * hd);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int h = 0; h < c.heads; ++h) {
+      float* r = &q_hat[(i * c.heads + h) * c.dim];
+      for (int e = 0; e < c.dim; ++e) r[e] = L.q[i * hd + h * c.dim + e] * lambda[h * c.dim + e];
+      if (c.transforms) RotateForward(r, c.dim, cfg.transforms.seed);
+      for (int e = 0; e < c.dim; ++e) r[e] = RoundBf16(r[e]);
+    }
+  }
+  std::vector<double> decoded = Attend(q_hat, k_hat, v_hat, seq, c.heads, c.dim, c.causal, scale);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int h = 0; h < c.heads; ++h) {
+      std::vector<float> r(c.dim);
+      double* o = &decoded[(i * c.heads + h) * c.dim];
+      for (int e = 0; e < c.dim; ++e) r[e] = static_cast<float>(o[e]);
+      if (c.transforms) RotateInverse(r.data(), c.dim, cfg.transforms.seed);
+      for (int e = 0; e < c.dim; ++e) o[e] = static_cast<double>(r[e]) + mu_v[h * c.dim + e];
+    }
+  }
+  // (b) unquantized FP64 attention of the host q, k, v.
+  const std::vector<double> exact = Attend(L.q, L.k, L.v, seq, c.heads, c.dim, c.causal, scale);
+  const double err_decoded = RelL2(got, decoded), err_exact = RelL2(got, exact);
+  std::vector<double> cpu_ref(n * hd);
+  for (int64_t i = 0; i < n * hd; ++i) cpu_ref[i] = Bf16ToFloat(cpu_out[i]);
+  const double err_cpu = RelL2(got, cpu_ref), cpu_exact = RelL2(std::vector<float>(cpu_ref.begin(), cpu_ref.end()), exact);
+  std::printf("[%s] rel L2 vs FP64 over decoded pages: %.5f (tol %.3f); vs cpu::RunLayer: %.5f (tol %.3f); "
+              "vs FP64 unquantized: %.5f (tol %.3f; the CPU backend's: %.5f)\n",
+              c.name, err_decoded, kDecodedRelL2, err_cpu, kCpuRelL2, err_exact, WorstTolerance(c.ranges), cpu_exact);
+  EXPECT_LE(err_cpu, kCpuRelL2);
+  EXPECT_LE(err_decoded, kDecodedRelL2);
+  if (check_exact) {
+    EXPECT_LE(err_exact, WorstTolerance(c.ranges));
+  }
+  if (errors) *errors = {err_decoded, err_exact};
+}
+
+TEST(CudaLayer, RejectsWhatTheGpuCannotRun) {
+  LayerConfig c;
+  c.shape = {100, 256, 1, 256};
+  c.ranges = {{0, 100, 0, PageFormat::kInt4}};
+  EXPECT_EQ(Supported(c).code(), ErrorCode::kUnsupported);
+  c.shape = {100, 250, 2, 128};
+  EXPECT_EQ(Supported(c).code(), ErrorCode::kUnsupported);  // hidden not a multiple of 8
+  c.shape = {100, 256, 2, 64};
+  c.in_place = true;
+  EXPECT_EQ(Supported(c).code(), ErrorCode::kInvalidArgument);  // hidden != H·d
+  c.in_place = false;
+  EXPECT_TRUE(Supported(c).ok()) << Supported(c).message();
+}
+
+TEST(CudaLayer, MemoryAnswersMatchTheLayoutAndTheCpuBackend) {
+  LayerConfig c;
+  c.shape = {152263, 7168, 56, 128};
+  c.ranges = {{0, 152263, 0, PageFormat::kInt4}};
+  ASSERT_TRUE(Supported(c).ok());
+  EXPECT_EQ(KvBytes(c), PlanKvLayout(c.shape, c.ranges).total_bytes);
+  EXPECT_EQ(KvBytes(c), cpu::KvBytes(c));
+  // H3 scale: the in-place layer (K/V block + workspace) stays under the 1.3 GiB.
+  EXPECT_LT(KvBytes(c) + WorkspaceBytes(c), 1.3 * (1ull << 30));
+  // The workspace holds the cuBLASLt workspace and one [Tp, 2·H·d] bf16 projection chunk.
+  EXPECT_GE(WorkspaceBytes(c), (32ull << 20) + 4096ull * 2 * 7168 * 2);
+  c.projection_chunk = 1024;
+  c.query_chunk = 1024;
+  EXPECT_LT(WorkspaceBytes(c), (32ull << 20) + 4096ull * 2 * 7168 * 2);
+  KvStats wrong;
+  wrong.mu_k.assign(10, 0.0f);
+  c.stats = &wrong;
+  EXPECT_EQ(Supported(c).code(), ErrorCode::kInvalidArgument);
+}
+
+TEST(CudaLayer, CancelStopsBetweenChunks) {
+  SKIP_WITHOUT_GPU();
+  LayerConfig c;
+  c.shape = {300, 128, 2, 64};
+  c.ranges = {{0, 300, 0, PageFormat::kInt4}};
+  c.projection_chunk = 100;
+  DeviceBuffer x(300 * 128 * 2), w(3 * 128 * 128 * 2), out(300 * 128 * 2), kv(KvBytes(c)), ws(WorkspaceBytes(c));
+  ASSERT_CUDA(cudaMemset(x.as<void>(), 0x3c, 300 * 128 * 2));  // 0x3c3c: bf16 ≈ 0.0115, finite
+  ASSERT_CUDA(cudaMemset(w.as<void>(), 0x3c, 3 * 128 * 128 * 2));
+  LayerTensors t;
+  t.x = x.as<uint16_t>(), t.w_qkv = w.as<uint16_t>(), t.out = out.as<uint16_t>();
+  CudaContext ctx;
+  ASSERT_CUDA(cudaStreamCreate(&ctx.stream));
+  ASSERT_EQ(cublasLtCreate(&ctx.blas), CUBLAS_STATUS_SUCCESS);
+  int polls = 0;
+  const Error e = RunLayer(c, t, kv.as<uint8_t>(), ws.as<uint8_t>(), ctx, [&] { return ++polls == 2; });
+  EXPECT_EQ(e.code(), ErrorCode::kCancelled) << e.message();
+  EXPECT_EQ(polls, 2);
+  ASSERT_CUDA(cudaStreamSynchronize(ctx.stream));
+  cublasLtDestroy(ctx.blas);
+  cudaStreamDestroy(ctx.stream);
+}
+
+TEST(CudaLayer, AutoTilingPrefersTallUnlessBf16PagesCrowdTheSm) {
+  SKIP_WITHOUT_GPU();
+  AttentionTilingChoice t;
+  ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kInt4, 128), &t));
+  EXPECT_EQ(t, AttentionTilingChoice::kTall);
+  ASSERT_OK(ResolveAttentionTiling(64, PageBytes(PageFormat::kBf16, 64), &t));
+  EXPECT_EQ(t, AttentionTilingChoice::kTall);
+  ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kBf16, 128), &t));
+  EXPECT_EQ(t, AttentionTilingChoice::kWide);
+}
+
+TEST(CudaLayer, Int4OneSequence) {
+  SKIP_WITHOUT_GPU();
+  Case c{"int4 N=1000 d=128", 1000, 256, 2, 128, {{0, 1000, 0, PageFormat::kInt4}}};
+  c.seed = 11;
+  RunCase(c);
+}
+
+TEST(CudaLayer, MixedFormatsSequencesCausalRopeNormInPlace) {
+  SKIP_WITHOUT_GPU();
+  Case c{"mixed N=4133 d=64",
+         4133,
+         192,
+         3,
+         64,
+         {{0, 700, 0, PageFormat::kBf16}, {700, 2100, 0, PageFormat::kInt4}, {2100, 2901, 1, PageFormat::kInt8},
+          {2901, 4133, 2, PageFormat::kInt4}}};
+  c.causal = true, c.in_place = true, c.norm = true;
+  c.rope = RopeLayout::kSplitHalves, c.rope_axes = 3, c.axis_dims[0] = 16, c.axis_dims[1] = 24, c.axis_dims[2] = 24;
+  c.projection_chunk = 1000, c.query_chunk = 1500;
+  c.seed = 12;
+  RunCase(c);
+}
+
+TEST(CudaLayer, MixedFormatsWideTiling) {
+  SKIP_WITHOUT_GPU();
+  Case c{"mixed wide tiling N=1999 d=128",
+         1999,
+         256,
+         2,
+         128,
+         {{0, 333, 0, PageFormat::kInt8}, {333, 1500, 0, PageFormat::kInt4}, {1500, 1999, 1, PageFormat::kBf16}}};
+  c.causal = true;
+  c.tiling = AttentionTilingChoice::kWide;
+  c.seed = 17;
+  RunCase(c);
+}
+
+TEST(CudaLayer, Int8InterleavedRopeOddChunks) {
+  SKIP_WITHOUT_GPU();
+  Case c{"int8 N=2049 d=128", 2049, 512, 4, 128, {{0, 1000, 0, PageFormat::kInt8}, {1000, 2049, 0, PageFormat::kInt8}}};
+  c.rope = RopeLayout::kInterleaved, c.rope_axes = 1, c.axis_dims[0] = 64;
+  c.projection_chunk = 513, c.query_chunk = 700;
+  c.seed = 13;
+  RunCase(c);
+}
+
+TEST(CudaLayer, Bf16CausalTwoSequences) {
+  SKIP_WITHOUT_GPU();
+  Case c{"bf16 N=777 d=64", 777, 128, 2, 64, {{0, 301, 4, PageFormat::kBf16}, {301, 777, 9, PageFormat::kBf16}}};
+  c.causal = true, c.bias = false;
+  c.seed = 14;
+  RunCase(c);
+}
+
+// On data with channel offsets and outlier channels, INT4 without smoothing, balancing and rotation
+// loses several times more accuracy; the kernels stay exact over their own pages either way.
+TEST(CudaLayer, TransformsShowTheirWorthOnInt4) {
+  SKIP_WITHOUT_GPU();
+  Case c{"int4 plain N=1000 d=128", 1000, 256, 2, 128, {{0, 1000, 0, PageFormat::kInt4}}};
+  c.seed = 15;
+  CaseErrors with, without;
+  RunCase(c, &with);
+  c.transforms = false;
+  RunCase(c, &without, /*check_exact=*/false);
+  EXPECT_GT(without.vs_exact, 3.0 * with.vs_exact);
+}
+
+TEST(CudaLayer, Int4ThreeSequencesNonCausal) {
+  SKIP_WITHOUT_GPU();
+  Case c{"int4 3 seqs N=3001 d=128", 3001, 384, 3, 128,
+         {{0, 1111, 0, PageFormat::kInt4}, {1111, 1180, 1, PageFormat::kInt4}, {1180, 3001, 2, PageFormat::kInt4}}};
+  c.norm = true;
+  c.query_chunk = 1024;
+  c.seed = 16;
+  RunCase(c);
+}
+
+}  // namespace
+}  // namespace kvpack::cuda
