@@ -22,7 +22,7 @@
 namespace kvpack::server {
 namespace {
 
-constexpr uint64_t kChunkBytes = 1ull << 20;  // output chunk; far below gRPC's 4 MiB message limit
+constexpr uint64_t kChunkBytes = 2ull << 20;  // output chunk; well below gRPC's 4 MiB message limit
 
 const char* MethodName(LayerMode mode) {
   switch (mode) {
