@@ -92,6 +92,14 @@ struct BackendOptions {
 
 // The backend for `options.kind`: kCuda and kAuto use the CUDA backend when it is built and a
 // device answers, else fall back to the CPU backend; `note` says what was chosen and why.
+//
+// The CUDA seam: server/backends/cuda_backend.{h,cc} (compiled when that file and the kvpack_cuda
+// target exist, which defines KVPACK_HAVE_CUDA_BACKEND) provides
+//   std::unique_ptr<Backend> MakeCudaBackend(std::string* why_not);  // null when no device answers
+// with ReadsHostMemory() false, IoBytes() covering device copies of x, positions and the output,
+// a VMM-backed Arena, OpenIpcRegion, QueryDeviceMemory and a sticky Healthy(). The engine's run path
+// for backends that do not read host memory (staging inline and shm tensors through IoBytes) is the
+// part still to write with it: today such a backend answers FAILED_PRECONDITION for layer calls.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options, std::string* note);
 
 }  // namespace kvpack::server
