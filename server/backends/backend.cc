@@ -7,6 +7,19 @@
 
 namespace kvpack::server {
 
+DeviceIoLayout MakeDeviceIoLayout(const LayerConfig& config) {
+  const auto align = [](uint64_t v) { return (v + 255) / 256 * 256; };
+  const uint64_t n = static_cast<uint64_t>(config.shape.n_tokens);
+  DeviceIoLayout io;
+  io.x_bytes = n * static_cast<uint64_t>(config.shape.hidden) * 2;
+  io.positions_offset = align(io.x_bytes);
+  io.positions_bytes = config.rope.layout != RopeLayout::kNone ? n * static_cast<uint64_t>(config.rope.n_axes) * 4 : 0;
+  io.out_bytes = n * static_cast<uint64_t>(config.shape.HeadCols()) * 2;
+  io.out_offset = config.in_place ? io.x_offset : align(io.positions_offset + io.positions_bytes);
+  io.total_bytes = config.in_place ? align(io.positions_offset + io.positions_bytes) : align(io.out_offset + io.out_bytes);
+  return io;
+}
+
 absl::StatusOr<BackendKind> ParseBackendKind(const std::string& text) {
   if (text == "auto") return BackendKind::kAuto;
   if (text == "cpu") return BackendKind::kCpu;

@@ -82,6 +82,17 @@ class Backend {
   virtual bool Healthy() const { return true; }
 };
 
+// Where the device copies of a layer's host tensors sit inside its I/O block (backends that do not
+// read host memory answer IoBytes with DeviceIoLayout(config).total_bytes): x [N, D] bf16, positions
+// [N, axes] f32 (with RoPE), the output [N, H·d] bf16 (unless in place over x), 256-byte aligned.
+struct DeviceIoLayout {
+  uint64_t x_offset = 0, x_bytes = 0;
+  uint64_t positions_offset = 0, positions_bytes = 0;
+  uint64_t out_offset = 0, out_bytes = 0;
+  uint64_t total_bytes = 0;
+};
+DeviceIoLayout MakeDeviceIoLayout(const LayerConfig& config);
+
 enum class BackendKind { kAuto, kCpu, kCuda };
 absl::StatusOr<BackendKind> ParseBackendKind(const std::string& text);
 
@@ -98,8 +109,9 @@ struct BackendOptions {
 //   std::unique_ptr<Backend> MakeCudaBackend(std::string* why_not);  // null when no device answers
 // with ReadsHostMemory() false, IoBytes() covering device copies of x, positions and the output,
 // a VMM-backed Arena, OpenIpcRegion, QueryDeviceMemory and a sticky Healthy(). The engine's run path
-// for backends that do not read host memory (staging inline and shm tensors through IoBytes) is the
-// part still to write with it: today such a backend answers FAILED_PRECONDITION for layer calls.
+// for backends that do not read host memory stages inline and shm tensors through the I/O block
+// (MakeDeviceIoLayout) with CopyToPool/CopyFromPool; tests/server/service/engine_test.cc runs it on a
+// CPU backend dressed as a device.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options, std::string* note);
 
 }  // namespace kvpack::server

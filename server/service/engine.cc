@@ -206,10 +206,6 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   tensors.bias = w.has_bias ? reinterpret_cast<const float*>(wbase + w.bias_offset()) : nullptr;
   tensors.q_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.q_norm_offset()) : nullptr;
   tensors.k_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.k_norm_offset()) : nullptr;
-  if (!backend_->ReadsHostMemory()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the ", backend_->name(), " backend needs device copies of inputs; not wired in this build"));
-  }
 
   // Memory, all from the reservation (the plan's peak).
   Pool::Lease kv_lease;
@@ -230,7 +226,37 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     if (!lease.ok()) return lease.status();
     ws_lease = std::move(*lease);
   }
-  job.peak_bytes = kv_lease.bytes() + ws_lease.bytes();
+  // Device copies of host tensors for backends that cannot read host memory (plan.io_bytes).
+  Pool::Lease io_lease;
+  const bool staged = !backend_->ReadsHostMemory() && !job.tensors_on_device;
+  DeviceIoLayout io;
+  if (job.plan.io_bytes > 0) {
+    absl::StatusOr<Pool::Lease> lease =
+        pool_->Allocate({job.plan.io_bytes, PoolState::kWorkspace, job.tenant, {}}, &reservation);
+    if (!lease.ok()) return lease.status();
+    io_lease = std::move(*lease);
+  }
+  if (staged) {
+    io = MakeDeviceIoLayout(config);
+    if (io.total_bytes > io_lease.bytes()) {
+      return absl::InternalError(absl::StrCat("the ", backend_->name(), " backend's IoBytes (", io_lease.bytes(),
+                                              ") is smaller than the device I/O layout (", io.total_bytes, ")"));
+    }
+    const absl::Time t0 = clock_->Now();
+    uint8_t* base = io_lease.data();
+    if (absl::Status s = backend_->CopyToPool(base + io.x_offset, job.tensors.x, io.x_bytes); !s.ok()) return s;
+    tensors.x = reinterpret_cast<const uint16_t*>(base + io.x_offset);
+    if (io.positions_bytes > 0) {
+      if (absl::Status s = backend_->CopyToPool(base + io.positions_offset, job.tensors.positions, io.positions_bytes);
+          !s.ok()) {
+        return s;
+      }
+      tensors.positions = reinterpret_cast<const float*>(base + io.positions_offset);
+    }
+    tensors.out = reinterpret_cast<uint16_t*>(base + io.out_offset);
+    job.transfer_seconds += absl::ToDoubleSeconds(clock_->Now() - t0);
+  }
+  job.peak_bytes = kv_lease.bytes() + ws_lease.bytes() + io_lease.bytes();
 
   if (job.mode != LayerMode::kAttend) {
     const absl::Time t0 = clock_->Now();
@@ -247,9 +273,15 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     if (absl::Status s = backend_->AttendLayer(config, tensors, kv, ws_lease.data(), cancel); !s.ok()) return s;
     job.attend_seconds = absl::ToDoubleSeconds(clock_->Now() - t0);
     metrics_->ObserveStage(Stage::kAttend, job.attend_seconds);
+    if (staged && job.tensors.out != nullptr) {
+      const absl::Time t1 = clock_->Now();
+      if (absl::Status s = backend_->CopyFromPool(job.tensors.out, tensors.out, io.out_bytes); !s.ok()) return s;
+      job.transfer_seconds += absl::ToDoubleSeconds(clock_->Now() - t1);
+    }
   }
   metrics_->ObservePeakBytes(job.peak_bytes);
   ws_lease.Release();
+  io_lease.Release();
 
   if (job.keep_kv || job.mode == LayerMode::kProject) {
     kv_lease.SetState(PoolState::kKvKept);

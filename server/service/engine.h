@@ -54,7 +54,8 @@ struct LayerJob {
   std::shared_ptr<WeightsEntry> weights;
   std::shared_ptr<KvEntry> kv_in;     // kAttend
   bool keep_kv = false;
-  LayerTensors tensors;               // x, positions, out set by the service (host memory)
+  LayerTensors tensors;               // x, positions, out set by the service
+  bool tensors_on_device = false;     // x, positions and out are device memory (CUDA IPC regions)
   uint64_t out_bytes = 0;
   std::vector<RegionUse> regions;     // keeps mapped regions alive for the job
   std::unique_ptr<uint8_t[]> x_buf;   // inline inputs and output (host)

@@ -189,6 +189,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     } else {
       switch (out_mode) {
         case v1::OUTPUT_INLINE:
+          ++host_refs_;
           job->out_buf.reset(new uint8_t[out_size]);
           job->tensors.out = reinterpret_cast<uint16_t*>(job->out_buf.get());
           out_inline_ = job->out_buf.get();
@@ -208,6 +209,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
           absl::StatusOr<uint8_t*> p = use->get()->Slice(slice.offset(), out_size, "header.output.region");
           if (!p.ok()) return p.status();
           job->tensors.out = reinterpret_cast<uint16_t*>(*p);
+          (use->get()->kind() == RegionKind::kCudaIpc ? device_refs_ : host_refs_)++;
           job->regions.push_back(std::move(*use));
           break;
         }
@@ -217,6 +219,13 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
           return absl::InvalidArgumentError(absl::StrCat("header.output.mode = ", out_mode, " is not known"));
       }
     }
+    // Device memory (CUDA IPC regions) is used in place; host tensors are staged through the I/O
+    // block. One layer does one or the other.
+    if (device_refs_ > 0 && host_refs_ > 0) {
+      return absl::FailedPreconditionError(
+          "header: x, positions and the output must all be in CUDA IPC regions, or none of them");
+    }
+    job->tensors_on_device = device_refs_ > 0;
     std::lock_guard<std::mutex> lock(mu_);
     job_ = std::move(job);
     return absl::OkStatus();
@@ -257,6 +266,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
                                                          ", expected ", input->size));
         }
         input->is_inline = true;
+        ++host_refs_;
         return absl::OkStatus();
       case v1::TensorRef::kRegion: {
         const v1::RegionSlice& slice = ref.region();
@@ -273,6 +283,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
           return absl::InvalidArgumentError(absl::StrCat(field, ".offset = ", slice.offset(), " is not 4-byte aligned"));
         }
         input->data = *p;
+        (use->get()->kind() == RegionKind::kCudaIpc ? device_refs_ : host_refs_)++;
         job->regions.push_back(std::move(*use));
         return absl::OkStatus();
       }
@@ -350,7 +361,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     sec->set_queue(job_->queue_seconds);
     sec->set_project(job_->project_seconds);
     sec->set_attend(job_->attend_seconds);
-    sec->set_transfer(upload_seconds_);
+    sec->set_transfer(upload_seconds_ + job_->transfer_seconds);
     if (out_inline_ != nullptr) result->set_output_bytes(job_->out_bytes);
     download_start_ = absl::Now();
     StartWrite(&out_);
@@ -400,6 +411,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
   bool have_header_ = false;
   Input x_, positions_;
   uint8_t* out_inline_ = nullptr;
+  int device_refs_ = 0, host_refs_ = 0;  // tensors in CUDA IPC regions / in host memory
   uint64_t sent_ = 0;
   absl::Time header_start_, download_start_;
   double upload_seconds_ = 0;
