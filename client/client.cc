@@ -39,6 +39,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(8 << 20);
+  // Bigger HTTP/2 frames and a deeper window for 2 MiB chunks (see kvpackd's main.cc).
+  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   client->channel_ = grpc::CreateCustomChannel(options.address, creds, args);
   client->stub_ = v1::Kvpack::NewStub(client->channel_);
   return client;

@@ -7,6 +7,16 @@
 
 namespace kvpack::server {
 
+uint64_t HostStagingBytes(const LayerConfig& config, const TensorResidency& resident) {
+  const LayerShape& s = config.shape;
+  uint64_t bytes = resident.x ? 0 : PoolBytes(2ull * s.n_tokens * s.hidden);
+  if (config.rope.layout != RopeLayout::kNone && !resident.positions) {
+    bytes += PoolBytes(4ull * s.n_tokens * config.rope.n_axes);
+  }
+  if (!config.in_place && !resident.out) bytes += PoolBytes(2ull * s.n_tokens * s.HeadCols());
+  return bytes;
+}
+
 absl::StatusOr<BackendKind> ParseBackendKind(const std::string& text) {
   if (text == "auto") return BackendKind::kAuto;
   if (text == "cpu") return BackendKind::kCpu;

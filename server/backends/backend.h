@@ -83,6 +83,12 @@ class Backend {
   virtual bool Healthy() const { return true; }
 };
 
+// Pool bytes a backend that cannot read host memory needs to stage a layer's host-resident tensors
+// (x [N, D] bf16, RoPE positions [N, axes] f32, the output [N, H·d] bf16 unless in place), each
+// rounded to the pool granule; tensors in `resident` (CUDA IPC regions) need none. The engine stages
+// them in this order (Engine::StageOnDevice).
+uint64_t HostStagingBytes(const LayerConfig& config, const TensorResidency& resident);
+
 enum class BackendKind { kAuto, kCpu, kCuda };
 absl::StatusOr<BackendKind> ParseBackendKind(const std::string& text);
 
@@ -93,6 +99,14 @@ struct BackendOptions {
 
 // The backend for `options.kind`: kCuda and kAuto use the CUDA backend when it is built and a
 // device answers, else fall back to the CPU backend; `note` says what was chosen and why.
+//
+// The CUDA seam: server/backends/cuda_backend.{h,cc} (compiled when that file and the kvpack_cuda
+// target exist, which defines KVPACK_HAVE_CUDA_BACKEND) provides
+//   std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions&, std::string* why_not);
+// with ReadsHostMemory() false, IoBytes() = HostStagingBytes, a VMM-backed Arena, OpenIpcRegion,
+// QueryDeviceMemory and a sticky Healthy(). The engine stages inline and shm tensors through the pool
+// with CopyToPool/CopyFromPool; tests/server/service/engine_test.cc runs that path on a CPU backend
+// dressed as a device, tests/server/service/cuda_daemon_test.cc on the GPU.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options, std::string* note);
 
 }  // namespace kvpack::server

@@ -58,15 +58,8 @@ class CudaBackend final : public Backend {
 
   // Device copies of x (read by the projection and overwritten in place), RoPE positions and, when
   // not in place, the output.
-  // Tensors in CUDA IPC regions (`resident`) are read and written where they are.
   uint64_t IoBytes(const LayerConfig& config, const TensorResidency& resident) const override {
-    const LayerShape& s = config.shape;
-    uint64_t bytes = resident.x ? 0 : PoolBytes(2ull * s.n_tokens * s.hidden);
-    if (config.rope.layout != RopeLayout::kNone && !resident.positions) {
-      bytes += PoolBytes(4ull * s.n_tokens * config.rope.n_axes);
-    }
-    if (!config.in_place && !resident.out) bytes += PoolBytes(2ull * s.n_tokens * s.HeadCols());
-    return bytes;
+    return HostStagingBytes(config, resident);
   }
 
   absl::StatusOr<IpcMapping> OpenIpcRegion(const std::string& handle, int device, uint64_t size) override {

@@ -197,12 +197,13 @@ absl::Status Engine::StageOnDevice(LayerJob& job, Pool::Reservation& reservation
   const uint64_t x_bytes = 2ull * config.shape.n_tokens * config.shape.hidden;
   const uint64_t positions_bytes =
       tensors->positions != nullptr ? 4ull * config.shape.n_tokens * config.rope.n_axes : 0;
+  const uint64_t out_bytes = 2ull * config.shape.n_tokens * config.shape.HeadCols();
   const bool writes_out = job.mode != LayerMode::kProject;
   const bool stage_x = !job.resident.x;
   const bool stage_positions = positions_bytes > 0 && !job.resident.positions;
   const bool stage_out = writes_out && !config.in_place && !job.resident.out;
   const uint64_t bytes = (stage_x ? PoolBytes(x_bytes) : 0) + (stage_positions ? PoolBytes(positions_bytes) : 0) +
-                         (stage_out ? PoolBytes(job.out_bytes) : 0);
+                         (stage_out ? PoolBytes(out_bytes) : 0);
   if (bytes == 0) return absl::OkStatus();
   absl::StatusOr<Pool::Lease> lease = pool_->Allocate({bytes, PoolState::kWorkspace, job.tenant, {}}, &reservation);
   if (!lease.ok()) return lease.status();
@@ -295,7 +296,8 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   }
   if (host_out != nullptr) {
     const absl::Time t0 = clock_->Now();
-    if (absl::Status s = backend_->CopyFromPool(host_out, tensors.out, job.out_bytes); !s.ok()) return s;
+    const uint64_t out_bytes = 2ull * config.shape.n_tokens * config.shape.HeadCols();
+    if (absl::Status s = backend_->CopyFromPool(host_out, tensors.out, out_bytes); !s.ok()) return s;
     job.transfer_seconds += absl::ToDoubleSeconds(clock_->Now() - t0);
   }
   if (io_lease.bytes() > 0) metrics_->ObserveStage(Stage::kTransfer, job.transfer_seconds);

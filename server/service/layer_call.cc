@@ -22,7 +22,7 @@
 namespace kvpack::server {
 namespace {
 
-constexpr uint64_t kChunkBytes = 1ull << 20;  // output chunk; far below gRPC's 4 MiB message limit
+constexpr uint64_t kChunkBytes = 2ull << 20;  // output chunk; well below gRPC's 4 MiB message limit
 
 const char* MethodName(LayerMode mode) {
   switch (mode) {
@@ -369,7 +369,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     sec->set_queue(job_->queue_seconds);
     sec->set_project(job_->project_seconds);
     sec->set_attend(job_->attend_seconds);
-    sec->set_transfer(upload_seconds_);
+    sec->set_transfer(upload_seconds_ + job_->transfer_seconds);
     if (out_inline_ != nullptr) result->set_output_bytes(job_->out_bytes);
     download_start_ = absl::Now();
     StartWrite(&out_);

@@ -1,6 +1,8 @@
 #include "server/service/options.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #include <string_view>
 
 #include "absl/strings/numbers.h"
@@ -39,6 +41,14 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
     }
     if (arg.rfind("--", 0) != 0) return absl::InvalidArgumentError(absl::StrCat("unexpected argument \"", arg, "\""));
     std::string name, value;
+    const std::string bare = arg.substr(2, arg.find('=') == std::string::npos ? std::string::npos : arg.find('=') - 2);
+    static const char* const kKnown[] = {"listen", "metrics_address", "vram_budget", "backend", "auth_token_file",
+                                         "tls_cert_file", "tls_key_file", "threads", "cpu_threads", "max_queue",
+                                         "max_chunk_tokens", "lease_seconds", "tenant_quota", "max_inline_bytes",
+                                         "drain_seconds"};
+    if (std::find(std::begin(kKnown), std::end(kKnown), bare) == std::end(kKnown)) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", bare, " (see --help)"));
+    }
     if (auto eq = arg.find('='); eq != std::string::npos) {
       name = arg.substr(2, eq - 2);
       value = arg.substr(eq + 1);

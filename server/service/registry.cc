@@ -56,6 +56,14 @@ RegionUse::RegionUse(std::shared_ptr<Region> region) : region_(std::move(region)
   if (region_) region_->AddUser();
 }
 
+RegionUse& RegionUse::operator=(RegionUse&& other) noexcept {
+  if (this != &other) {
+    if (region_) region_->RemoveUser();
+    region_ = std::move(other.region_);
+  }
+  return *this;
+}
+
 RegionUse::~RegionUse() {
   if (region_) region_->RemoveUser();
 }

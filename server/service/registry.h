@@ -98,8 +98,8 @@ class RegionUse {
  public:
   RegionUse() = default;
   explicit RegionUse(std::shared_ptr<Region> region);
-  RegionUse(RegionUse&&) = default;
-  RegionUse& operator=(RegionUse&&) = default;
+  RegionUse(RegionUse&&) noexcept = default;
+  RegionUse& operator=(RegionUse&& other) noexcept;
   ~RegionUse();
   Region* get() const { return region_.get(); }
 

@@ -1,0 +1,176 @@
+// The Engine without gRPC: a layer job planned, admitted and run on the executor; and the staging
+// path of backends that cannot read host memory, exercised by the CPU backend dressed as a device.
+#include "server/service/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <future>
+
+#include "client/synthetic.h"
+#include "server/backends/cpu_backend.h"
+#include "tests/server/service/test_layers.h"
+
+namespace kvpack::server {
+namespace {
+
+// The CPU backend, but it claims not to read host memory, so the engine stages x, positions and the
+// output through the I/O block like it will for the CUDA backend.
+class FakeDeviceBackend final : public Backend {
+ public:
+  FakeDeviceBackend() : cpu_(MakeCpuBackend(1)) {}
+  std::string name() const override { return "fakedev"; }
+  absl::Status Supported(const LayerConfig& c) const override { return cpu_->Supported(c); }
+  uint64_t KvBytes(const LayerConfig& c) const override { return cpu_->KvBytes(c); }
+  uint64_t WorkspaceBytes(const LayerConfig& c) const override { return cpu_->WorkspaceBytes(c); }
+  uint64_t IoBytes(const LayerConfig& c, const TensorResidency& r) const override { return HostStagingBytes(c, r); }
+  absl::Status ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* ws,
+                         const CancelFn& cancel) override {
+    ++project_calls;
+    return cpu_->ProjectKv(c, t, kv, ws, cancel);
+  }
+  absl::Status AttendLayer(const LayerConfig& c, const LayerTensors& t, const uint8_t* kv, uint8_t* ws,
+                           const CancelFn& cancel) override {
+    last_out = t.out;
+    return cpu_->AttendLayer(c, t, kv, ws, cancel);
+  }
+  std::unique_ptr<Arena> CreateArena() override { return MakeHostArena(); }
+  absl::Status CopyToPool(void* d, const void* s, uint64_t n) override {
+    copied_in += n;
+    std::memcpy(d, s, n);
+    return absl::OkStatus();
+  }
+  absl::Status CopyFromPool(void* d, const void* s, uint64_t n) override {
+    copied_out += n;
+    std::memcpy(d, s, n);
+    return absl::OkStatus();
+  }
+  bool ReadsHostMemory() const override { return false; }
+
+  int project_calls = 0;
+  uint64_t copied_in = 0, copied_out = 0;
+  const uint16_t* last_out = nullptr;
+
+ private:
+  std::unique_ptr<Backend> cpu_;
+};
+
+struct Ran {
+  absl::Status status;
+  std::vector<uint16_t> out;
+  uint64_t peak = 0;
+  LayerPlan plan;
+};
+
+// Registers the weights in the engine's pool, plans, submits and waits.
+Ran RunOnEngine(Engine& engine, const client::SyntheticLayer& L) {
+  auto w = std::make_shared<WeightsEntry>();
+  w->id = Registry::NewId("w-");
+  w->tenant = "t";
+  w->hidden = L.spec.hidden;
+  w->n_heads = L.spec.n_heads;
+  w->head_dim = L.spec.head_dim;
+  w->has_bias = !L.bias.empty();
+  w->norm_len = static_cast<int>(L.q_norm.size());
+  absl::StatusOr<Pool::Lease> lease = engine.pool().Allocate({w->total_bytes(), PoolState::kWeights, "t", {}});
+  EXPECT_TRUE(lease.ok());
+  w->lease = std::move(*lease);
+  std::memcpy(w->lease.data(), L.w_qkv.data(), w->w_bytes());
+  std::memcpy(w->lease.data() + w->bias_offset(), L.bias.data(), w->bias_bytes());
+  std::memcpy(w->lease.data() + w->q_norm_offset(), L.q_norm.data(), w->norm_bytes());
+  std::memcpy(w->lease.data() + w->k_norm_offset(), L.k_norm.data(), w->norm_bytes());
+
+  LayerRequest request;
+  request.shape = {L.spec.n_tokens, L.spec.hidden, L.spec.n_heads, L.spec.head_dim};
+  int64_t begin = 0;
+  for (const auto& r : L.spec.ranges) {
+    RangeRequest rr{begin, begin + r.tokens, r.seq_id, {}};
+    for (v1::Format f : r.allowed) {
+      rr.allowed.push_back(f == v1::FORMAT_BF16 ? PageFormat::kBf16 : f == v1::FORMAT_INT8 ? PageFormat::kInt8 : PageFormat::kInt4);
+    }
+    request.ranges.push_back(rr);
+    begin += r.tokens;
+  }
+  request.rope.layout = RopeLayout::kSplitHalves;
+  request.rope.n_axes = 1;
+  request.rope.axis_dims[0] = L.spec.head_dim;
+  request.qk_norm.enabled = true;
+  request.qk_norm.weight_len = L.spec.head_dim;
+  request.attention.causal = L.spec.causal;
+  request.has_bias = true;
+
+  Ran ran;
+  ran.out.assign(L.out_bytes() / 2, 0);
+  auto job = std::make_shared<LayerJob>();
+  job->tenant = "t";
+  job->weights = w;
+  absl::StatusOr<LayerPlan> plan = engine.Plan("t", request);
+  EXPECT_TRUE(plan.ok() && plan->fits);
+  job->plan = *plan;
+  ran.plan = *plan;
+  job->tensors.x = L.x.data();
+  job->tensors.positions = L.positions.data();
+  job->tensors.out = ran.out.data();
+  std::promise<absl::Status> done;
+  job->done = [&done](absl::Status s) { done.set_value(std::move(s)); };
+  engine.Submit(job);
+  ran.status = done.get_future().get();
+  ran.peak = job->peak_bytes;
+  return ran;
+}
+
+EngineOptions Options() {
+  EngineOptions o;
+  o.budget_bytes = 64 << 20;
+  return o;
+}
+
+TEST(Engine, RunsAJobAndFreesItsMemory) {
+  SystemClock clock;
+  Engine engine(Options(), MakeCpuBackend(1), &clock);
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(testing::SmallSpec(41));
+  Ran ran = RunOnEngine(engine, L);
+  ASSERT_TRUE(ran.status.ok()) << ran.status;
+  EXPECT_EQ(ran.plan.io_bytes, 0u);
+  EXPECT_EQ(ran.peak, ran.plan.peak_bytes);
+  v1::PlanResult proto_plan;
+  for (const RangePlan& r : ran.plan.ranges) {
+    proto_plan.add_ranges()->set_format(r.format == PageFormat::kBf16 ? v1::FORMAT_BF16
+                                        : r.format == PageFormat::kInt8 ? v1::FORMAT_INT8 : v1::FORMAT_INT4);
+  }
+  proto_plan.set_projection_chunk(ran.plan.projection_chunk);
+  proto_plan.set_query_chunk(ran.plan.query_chunk);
+  absl::StatusOr<std::vector<uint16_t>> ref = client::ReferenceOutput(L, proto_plan);
+  ASSERT_TRUE(ref.ok());
+  EXPECT_TRUE(ran.out == *ref);
+  EXPECT_EQ(engine.pool().Snapshot().by_state[static_cast<int>(PoolState::kWorkspace)], 0u);
+  EXPECT_EQ(engine.pool().Snapshot().reserved, 0u);
+}
+
+TEST(Engine, StagesHostTensorsForDeviceBackends) {
+  SystemClock clock;
+  auto device = std::make_unique<FakeDeviceBackend>();
+  FakeDeviceBackend* fake = device.get();
+  Engine engine(Options(), std::move(device), &clock);
+  Engine reference(Options(), MakeCpuBackend(1), &clock);
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(testing::SmallSpec(43));
+  Ran staged = RunOnEngine(engine, L);
+  Ran direct = RunOnEngine(reference, L);
+  ASSERT_TRUE(staged.status.ok()) << staged.status;
+  ASSERT_TRUE(direct.status.ok()) << direct.status;
+  EXPECT_TRUE(staged.out == direct.out);
+  const LayerShape& shape = staged.plan.config.shape;
+  const uint64_t x_bytes = 2ull * shape.n_tokens * shape.hidden, positions_bytes = 4ull * L.positions.size(),
+                 out_bytes = 2ull * shape.n_tokens * shape.HeadCols();
+  EXPECT_EQ(staged.plan.io_bytes, PoolBytes(x_bytes) + PoolBytes(positions_bytes) + PoolBytes(out_bytes));
+  EXPECT_EQ(staged.peak, staged.plan.peak_bytes);
+  EXPECT_EQ(staged.peak, direct.peak + staged.plan.io_bytes);
+  EXPECT_EQ(fake->copied_in, x_bytes + positions_bytes);
+  EXPECT_EQ(fake->copied_out, out_bytes);
+  EXPECT_NE(fake->last_out, nullptr);
+  EXPECT_EQ(engine.pool().Snapshot().high_water, testing::WeightsPoolBytes(L) + staged.peak);
+  EXPECT_EQ(engine.pool().Snapshot().allocated, 0u);
+}
+
+}  // namespace
+}  // namespace kvpack::server

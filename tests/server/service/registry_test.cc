@@ -1,0 +1,110 @@
+// Registry: tenant scoping, leases on a manual clock (no sleeps), in-use entries survive, and
+// unregistering a region waits for its users.
+#include "server/service/registry.h"
+
+#include <gtest/gtest.h>
+
+namespace kvpack::server {
+namespace {
+
+std::shared_ptr<WeightsEntry> Weights(const std::string& tenant) {
+  auto w = std::make_shared<WeightsEntry>();
+  w->id = Registry::NewId("w-");
+  w->tenant = tenant;
+  return w;
+}
+
+std::shared_ptr<Region> FakeRegion(const std::string& tenant, int* unmapped) {
+  static uint8_t bytes[64];
+  return std::make_shared<Region>(Registry::NewId("r-"), tenant, RegionKind::kShm, "/fake", bytes, sizeof(bytes),
+                                  [unmapped](uint8_t*, uint64_t) { ++*unmapped; });
+}
+
+TEST(Registry, IdsAreRandomAndTenantScoped) {
+  ManualClock clock;
+  Registry r(&clock, absl::Seconds(10));
+  const std::string a = Registry::NewId("w-"), b = Registry::NewId("w-");
+  EXPECT_EQ(a.size(), 34u);
+  EXPECT_NE(a, b);
+  auto w = Weights("alice");
+  r.AddWeights(w);
+  EXPECT_TRUE(r.GetWeights("alice", w->id, "h").ok());
+  EXPECT_EQ(r.GetWeights("bob", w->id, "h").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(r.ReleaseWeights("bob", w->id).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(r.GetWeights("alice", "", "h").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.TenantCounts("alice").weights, 1);
+  EXPECT_EQ(r.TenantCounts("bob").weights, 0);
+}
+
+TEST(Registry, LeasesExpireUnlessUsedOrRenewed) {
+  ManualClock clock;
+  Registry r(&clock, absl::Seconds(10));
+  auto used = Weights("t"), renewed = Weights("t"), idle = Weights("t");
+  const std::string used_id = used->id, renewed_id = renewed->id;
+  r.AddWeights(std::move(used));
+  r.AddWeights(std::move(renewed));
+  r.AddWeights(std::move(idle));
+  clock.Advance(absl::Seconds(6));
+  ASSERT_TRUE(r.GetWeights("t", used_id, "h").ok());  // use renews
+  EXPECT_EQ(r.KeepAlive("t", {renewed_id, "w-unknown"}), 1);
+  EXPECT_EQ(r.KeepAlive("other", {renewed_id}), 0);
+  clock.Advance(absl::Seconds(5));
+  EXPECT_EQ(r.Reap(), 1);  // only the idle one
+  EXPECT_EQ(r.Counts().weights, 2);
+  clock.Advance(absl::Seconds(10));
+  EXPECT_EQ(r.Reap(), 2);
+  EXPECT_EQ(r.Counts().weights, 0);
+}
+
+TEST(Registry, EntriesInUseAreNotReaped) {
+  ManualClock clock;
+  Registry r(&clock, absl::Seconds(1));
+  auto w = Weights("t");
+  r.AddWeights(w);  // `w` stands for a request holding it
+  clock.Advance(absl::Seconds(5));
+  EXPECT_EQ(r.Reap(), 0);
+  w.reset();
+  EXPECT_EQ(r.Reap(), 1);
+
+  int unmapped = 0;
+  auto region = FakeRegion("t", &unmapped);
+  const std::string id = region->id();
+  r.AddRegion(std::move(region));
+  {
+    absl::StatusOr<RegionUse> use = r.UseRegion("t", id, "x");
+    ASSERT_TRUE(use.ok());
+    clock.Advance(absl::Seconds(5));
+    EXPECT_EQ(r.Reap(), 0);
+  }
+  clock.Advance(absl::Seconds(5));
+  EXPECT_EQ(r.Reap(), 1);
+  EXPECT_EQ(unmapped, 1);
+}
+
+TEST(Registry, UnregisterWaitsForUsersAndSlicesAreBoundsChecked) {
+  ManualClock clock;
+  Registry r(&clock, absl::Seconds(10));
+  int unmapped = 0;
+  auto region = FakeRegion("t", &unmapped);
+  const std::string id = region->id();
+  r.AddRegion(std::move(region));
+  absl::StatusOr<RegionUse> use = r.UseRegion("t", id, "header.x.region");
+  ASSERT_TRUE(use.ok());
+  EXPECT_TRUE(use->get()->Slice(60, 4, "f").ok());
+  absl::StatusOr<uint8_t*> bad = use->get()->Slice(61, 4, "header.x.region");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("header.x.region"), std::string::npos);
+  EXPECT_FALSE(use->get()->Slice(~0ull - 2, 8, "f").ok());  // no overflow
+
+  bool done = false;
+  ASSERT_TRUE(r.UnregisterRegion("t", id, [&] { done = true; }).ok());
+  EXPECT_FALSE(done);
+  EXPECT_EQ(r.UseRegion("t", id, "x").status().code(), absl::StatusCode::kNotFound);  // gone for new users
+  EXPECT_EQ(unmapped, 0);
+  *use = RegionUse();  // the last user lets go
+  EXPECT_TRUE(done);
+  EXPECT_EQ(unmapped, 1);
+}
+
+}  // namespace
+}  // namespace kvpack::server
