@@ -204,15 +204,16 @@ __global__ void GatherRowsKernel(const uint16_t* x, int64_t hidden, const int64_
 // in a fixed order, so the result is deterministic.
 constexpr int kStatsGroups = 8;
 
-// λ of channel c from the head's sample ranges (range[c] = m): the CPU reference's BalanceFromRanges,
-// the same operations in the same order. 1 when balancing is off or every range is 0.
+// λ of channel c from the head's channel spreads (spread[c] = m; K: sample range, V: RMS): the CPU
+// reference's BalanceFromSpreads, the same operations in the same order. 1 when balancing is off or
+// every spread is 0.
 template <int kDim>
-__device__ float BalanceFactor(const double* range, double m, bool balance) {
+__device__ float BalanceFactor(const double* spread, double m, bool balance) {
   double widest = 0.0;
-  for (int i = 0; i < kDim; ++i) widest = fmax(widest, range[i]);
+  for (int i = 0; i < kDim; ++i) widest = fmax(widest, spread[i]);
   if (!balance || !(widest > 0.0) || !isfinite(widest)) return 1.0f;
   double log_sum = 0.0;
-  for (int i = 0; i < kDim; ++i) log_sum += log(sqrt(fmax(range[i], kLambdaFloor * widest)));
+  for (int i = 0; i < kDim; ++i) log_sum += log(sqrt(fmax(spread[i], kLambdaFloor * widest)));
   return static_cast<float>(sqrt(fmax(m, kLambdaFloor * widest)) / exp(log_sum / kDim));
 }
 
@@ -220,7 +221,7 @@ template <int kDim>
 __global__ void __launch_bounds__(kDim * kStatsGroups) KvStatsKernel(const float* kv, int64_t n_sample, int n_heads,
                                                                      bool smooth, bool balance, KvStatsOut out) {
   __shared__ double part[2][kStatsGroups][kDim];
-  __shared__ double range[2][kDim];  // K, V
+  __shared__ double spread[2][kDim];  // K: max |k − μ_k|, V: RMS of v − μ_v
   const int c = threadIdx.x % kDim, group = threadIdx.x / kDim, head = blockIdx.x;
   const int64_t head_cols = static_cast<int64_t>(n_heads) * kDim;
   const int64_t stride = 2 * head_cols;
@@ -238,24 +239,28 @@ __global__ void __launch_bounds__(kDim * kStatsGroups) KvStatsKernel(const float
   for (int g = 0; g < kStatsGroups; ++g) total_k += part[0][g][c], total_v += part[1][g][c];
   const float mk = smooth ? static_cast<float>(total_k / static_cast<double>(n_sample)) : 0.0f;
   const float mv = smooth ? static_cast<float>(total_v / static_cast<double>(n_sample)) : 0.0f;
-  double m_k = 0.0, m_v = 0.0;  // max |x − μ| over this group's rows
+  double m_k = 0.0, ss_v = 0.0;  // this group's max |k − μ_k| and Σ (v − μ_v)²
   for (int64_t r = group; r < n_sample; r += kStatsGroups) {
     m_k = fmax(m_k, fabs(static_cast<double>(kv[r * stride + kc]) - static_cast<double>(mk)));
-    m_v = fmax(m_v, fabs(static_cast<double>(kv[r * stride + head_cols + kc]) - static_cast<double>(mv)));
+    const double dv = static_cast<double>(kv[r * stride + head_cols + kc]) - static_cast<double>(mv);
+    ss_v += dv * dv;
   }
   __syncthreads();
-  part[0][group][c] = m_k, part[1][group][c] = m_v;
+  part[0][group][c] = m_k, part[1][group][c] = ss_v;
   __syncthreads();
+  double rms_v = 0.0;
   if (group == 0) {
-    for (int g = 1; g < kStatsGroups; ++g) m_k = fmax(m_k, part[0][g][c]), m_v = fmax(m_v, part[1][g][c]);
-    range[0][c] = m_k, range[1][c] = m_v;
+    double total = 0.0;
+    for (int g = 0; g < kStatsGroups; ++g) m_k = fmax(m_k, part[0][g][c]), total += part[1][g][c];
+    rms_v = sqrt(total / static_cast<double>(n_sample));
+    spread[0][c] = m_k, spread[1][c] = rms_v;
   }
   __syncthreads();
   if (group != 0) return;
   out.mu_k[kc] = mk;
   out.mu_v[kc] = mv;
-  out.lambda[kc] = BalanceFactor<kDim>(range[0], m_k, balance);
-  out.lambda_v[kc] = BalanceFactor<kDim>(range[1], m_v, balance);
+  out.lambda[kc] = BalanceFactor<kDim>(spread[0], m_k, balance);
+  out.lambda_v[kc] = BalanceFactor<kDim>(spread[1], rms_v, balance);
 }
 
 }  // namespace

@@ -80,7 +80,9 @@ Error LaunchGatherRows(const uint16_t* x, int64_t hidden, const int64_t* token_i
 // μ_k, μ_v, λ, λ_v per (head, channel) from the pre-pass's float K | V [n_sample, 2·H·d], the CPU
 // reference's rule (kernels/cpu/stats.h) in double: μ = mean over the sample (0 without smoothing);
 // m_c = max|k_c − μ_c|, λ'_c = sqrt(max(m_c, kLambdaFloor · max m)), λ = λ' / geometric mean of the
-// head's λ' (1 without balancing, or when every m_c of the head is 0); λ_v the same from V.
+// head's λ' (1 without balancing, or when every m_c of the head is 0); λ_v the same rule with V's RMS
+// σ_c = sqrt(mean (v_c − μ_v,c)²) in place of m_c. The sums are grouped (kStatsGroups partial sums),
+// so μ and σ may differ from the CPU's in the last bits of a double.
 inline constexpr double kLambdaFloor = 1e-6;
 struct KvStatsOut {
   float* mu_k = nullptr;      // each [n_heads · head_dim], device

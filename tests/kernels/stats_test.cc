@@ -50,7 +50,7 @@ TEST(Stats, MeanAndBalanceFollowTheirDefinitions) {
   const int64_t n_sample = 130;
   for (int h = 0; h < 3; ++h) {
     double log_sum = 0.0, log_sum_v = 0.0;
-    std::vector<double> range(32, 0.0), range_v(32, 0.0);
+    std::vector<double> range(32, 0.0), rms_v(32, 0.0);
     for (int c = 0; c < 32; ++c) {
       double sum_k = 0.0, sum_v = 0.0;
       for (int64_t i = 0; i < n_sample; ++i) {
@@ -64,8 +64,10 @@ TEST(Stats, MeanAndBalanceFollowTheirDefinitions) {
       for (int64_t i = 0; i < n_sample; ++i) {
         const int64_t tok = i * 517 / n_sample;
         range[c] = std::max(range[c], std::fabs(double(kv.k[(tok * 3 + h) * 32 + c]) - s.mu_k[h * 32 + c]));
-        range_v[c] = std::max(range_v[c], std::fabs(double(kv.v[(tok * 3 + h) * 32 + c]) - s.mu_v[h * 32 + c]));
+        const double dv = double(kv.v[(tok * 3 + h) * 32 + c]) - s.mu_v[h * 32 + c];
+        rms_v[c] += dv * dv / n_sample;
       }
+      rms_v[c] = std::sqrt(rms_v[c]);
       log_sum += std::log(s.lambda[h * 32 + c]);
       log_sum_v += std::log(s.lambda_v[h * 32 + c]);
     }
@@ -73,10 +75,10 @@ TEST(Stats, MeanAndBalanceFollowTheirDefinitions) {
     // λ ∝ sqrt(range): the ratio of two channels is the sqrt of their ranges' ratio.
     EXPECT_NEAR(s.lambda[h * 32 + 5] / s.lambda[h * 32 + 0], std::sqrt(range[5] / range[0]), 1e-4);
     EXPECT_GT(s.lambda[h * 32 + 5], 3.0f);  // the outlier channel is balanced hardest
-    // λ_v: the same rule on V's ranges around μ_v.
+    // λ_v: the same rule on V's RMS around μ_v.
     EXPECT_NEAR(log_sum_v / 32, 0.0, kStatsTolerance);
     for (int c : {0, 3, 9, 31}) {
-      EXPECT_NEAR(s.lambda_v[h * 32 + c] / s.lambda_v[h * 32 + 1], std::sqrt(range_v[c] / range_v[1]), 1e-4) << c;
+      EXPECT_NEAR(s.lambda_v[h * 32 + c] / s.lambda_v[h * 32 + 1], std::sqrt(rms_v[c] / rms_v[1]), 1e-4) << c;
     }
     EXPECT_GT(s.lambda_v[h * 32 + 9], 3.0f);
   }
