@@ -136,7 +136,7 @@ struct LayerConfig {
   int64_t projection_chunk = 4096;       // Tp: tokens per streamed K/V projection chunk
   int64_t query_chunk = 4096;            // Tq: tokens per query chunk (Q projected, attended, written)
   bool in_place = false;                 // tensors.out == tensors.x (needs hidden == H·d)
-  const KvStats* stats = nullptr;        // caller's μ/λ; null → the strided pre-pass computes them
+  const KvStats* stats = nullptr;        // caller's μ, λ, λ_v; null → the strided pre-pass computes them
 };
 
 // Where a packed entry's pieces sit inside its one memory block (KvLayout::total_bytes long): all K

@@ -1,6 +1,7 @@
 // Row epilogues of the streamed projection: one warp per (token, head) row of a GEMM output.
 //
-//   kPackKv  bf16 [T, 2·H·d] (K | V)  → bias, QK-norm, RoPE (K), −μ, ÷λ (K) / ÷λ_v (V), R, quantize → pages
+//   kPackKv  bf16 [T, 2·H·d] (K | V)  → bias, QK-norm, RoPE (K), −μ, ÷λ (K) or ÷λ_v (V), R,
+//                                        quantize → pages
 //   kStats   bf16 [S, 2·H·d] (K | V)  → bias, QK-norm, RoPE (K)                 → float [S, 2·H·d]
 //   kQuery   bf16 [T, H·d]     (Q)    → bias, QK-norm, RoPE, ×λ, R              → bf16, in place
 //
