@@ -6,11 +6,13 @@
 // ── What is stored ────────────────────────────────────────────────────────────────────────────────
 // For every (token, head) row of d values (d = head_dim):
 //   K row:  R · ((k − μ_k) / λ)      quantized per row
-//   V row:  R · (v − μ_v)            quantized per row
+//   V row:  R · ((v − μ_v) / λ_v)    quantized per row
 //   Q row:  R · (q ⊙ λ)              bf16, never stored in pages
-// R = H_d · diag(s) / √d (rotation.h), μ and λ per (head, channel), all three steps optional.
-// q·k is preserved up to q·μ_k, which is the same for every key of a query row (softmax-invariant);
-// the output is o = Rᵀ·(Σ p·v̂) + μ_v because Σ p = 1.
+// R = H_d · diag(s) / √d (rotation.h); μ_k, μ_v, λ, λ_v per (head, channel), stored with the entry
+// as four float[H·d] tables (layer_spec.h KvLayout); rotation, smoothing (μ) and balancing (λ, λ_v)
+// each optional. q·k is preserved up to q·μ_k, which is the same for every key of a query row
+// (softmax-invariant); the output is o = λ_v ⊙ Rᵀ·(Σ p·v̂) + μ_v, exact because Σ p = 1 and the
+// attention sum is linear per channel. λ_v takes V's outlier channels out of every row's step.
 //
 // ── Pages ─────────────────────────────────────────────────────────────────────────────────────────
 // A page holds kPageTokens = 64 consecutive tokens of ONE head in ONE format. Every token range

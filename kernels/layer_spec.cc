@@ -159,7 +159,8 @@ KvLayout PlanKvLayout(const LayerShape& shape, const std::vector<TokenRange>& ra
   layout.mu_k_offset = AlignUp(layout.v_offsets_offset + heads * n_pages * sizeof(uint64_t), kTableAlign);
   layout.mu_v_offset = AlignUp(layout.mu_k_offset + stats_bytes, kTableAlign);
   layout.lambda_offset = AlignUp(layout.mu_v_offset + stats_bytes, kTableAlign);
-  layout.total_bytes = AlignUp(layout.lambda_offset + stats_bytes, kTableAlign);
+  layout.lambda_v_offset = AlignUp(layout.lambda_offset + stats_bytes, kTableAlign);
+  layout.total_bytes = AlignUp(layout.lambda_v_offset + stats_bytes, kTableAlign);
   return layout;
 }
 
@@ -187,6 +188,7 @@ KvEntryView MakeKvView(const KvLayout& layout, const LayerShape& shape, const ui
   view.mu_k = reinterpret_cast<const float*>(block + layout.mu_k_offset);
   view.mu_v = reinterpret_cast<const float*>(block + layout.mu_v_offset);
   view.lambda = reinterpret_cast<const float*>(block + layout.lambda_offset);
+  view.lambda_v = reinterpret_cast<const float*>(block + layout.lambda_v_offset);
   view.seed = transforms.seed;
   view.rotate = transforms.rotate;
   return view;

@@ -65,9 +65,9 @@ struct QkNormOptions {
 struct TransformOptions {
   bool rotate = true;
   bool smooth = true;
-  bool balance = true;
+  bool balance = true;                     // channel balancing of K (λ) and of V (λ_v) together
   uint64_t seed = 0x6b7670616b763031ull;  // rotation signs; stored with the entry
-  int stats_sample_tokens = 1024;          // strided pre-pass sample for μ and λ
+  int stats_sample_tokens = 1024;          // strided pre-pass sample for μ, λ and λ_v
 };
 
 struct AttentionOptions {
@@ -78,11 +78,13 @@ struct AttentionOptions {
 // ── Tensors ─────────────────────────────────────────────────────────────────────────────────────
 
 // Per-(head, channel) statistics, each [n_heads · head_dim] floats. With smoothing off μ is zero;
-// with balancing off λ is one. Callers may pass their own (e.g. the previous diffusion step's).
+// with balancing off λ and λ_v are one. Callers may pass their own (e.g. the previous diffusion
+// step's); λ and λ_v must then be finite and positive.
 struct KvStats {
   std::vector<float> mu_k;
   std::vector<float> mu_v;
-  std::vector<float> lambda;
+  std::vector<float> lambda;    // K balancing: K stored as (k − μ_k)/λ, q multiplied by λ
+  std::vector<float> lambda_v;  // V balancing: V stored as (v − μ_v)/λ_v, the output multiplied by λ_v
 };
 
 // Inputs and output of one layer. Pointers are host or device memory as the backend requires.
@@ -113,7 +115,8 @@ struct KvEntryView {
   const uint64_t* v_offsets = nullptr; // [n_heads · n_pages]
   const float* mu_k = nullptr;         // [n_heads · head_dim]
   const float* mu_v = nullptr;         // [n_heads · head_dim]
-  const float* lambda = nullptr;       // [n_heads · head_dim]
+  const float* lambda = nullptr;       // [n_heads · head_dim]  K balancing
+  const float* lambda_v = nullptr;     // [n_heads · head_dim]  V balancing
   uint64_t seed = 0;
   bool rotate = true;
 };
@@ -133,12 +136,12 @@ struct LayerConfig {
   int64_t projection_chunk = 4096;       // Tp: tokens per streamed K/V projection chunk
   int64_t query_chunk = 4096;            // Tq: tokens per query chunk (Q projected, attended, written)
   bool in_place = false;                 // tensors.out == tensors.x (needs hidden == H·d)
-  const KvStats* stats = nullptr;        // caller's μ/λ; null → the strided pre-pass computes them
+  const KvStats* stats = nullptr;        // caller's μ, λ, λ_v; null → the strided pre-pass computes them
 };
 
 // Where a packed entry's pieces sit inside its one memory block (KvLayout::total_bytes long): all K
 // pages head-major (head 0 pages 0..P−1, head 1, …), then all V pages likewise, then the tables the
-// kernels read (PageDesc[P], k_offsets[H·P], v_offsets[H·P], μ_k, μ_v, λ as float[H·d] each).
+// kernels read (PageDesc[P], k_offsets[H·P], v_offsets[H·P], μ_k, μ_v, λ, λ_v as float[H·d] each).
 // Pages sit at 128-byte aligned offsets; tables at 256-byte aligned offsets.
 struct KvLayout {
   std::vector<PageDesc> pages;
@@ -151,6 +154,7 @@ struct KvLayout {
   uint64_t mu_k_offset = 0;
   uint64_t mu_v_offset = 0;
   uint64_t lambda_offset = 0;
+  uint64_t lambda_v_offset = 0;
   uint64_t total_bytes = 0;
 };
 

@@ -99,8 +99,9 @@ void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool cau
     }
   }
 
-  // Epilogue: normalise, un-rotate, add μ_v back.
+  // Epilogue: normalise, un-rotate, undo V balancing, add μ_v back.
   const float* mu_v = kv.mu_v + static_cast<int64_t>(head) * d;
+  const float* lambda_v = kv.lambda_v + static_cast<int64_t>(head) * d;
   for (int i = 0; i < n; ++i) {
     float* o = out + i * d;
     if (l[i] == 0.0f) {
@@ -110,6 +111,7 @@ void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool cau
     const float inv = 1.0f / l[i];
     for (int c = 0; c < d; ++c) o[c] = acc[i * d + c] * inv;
     if (kv.rotate) RotateInverse(o, d, kv.seed);
+    for (int c = 0; c < d; ++c) o[c] *= lambda_v[c];
     for (int c = 0; c < d; ++c) o[c] += mu_v[c];
   }
 }

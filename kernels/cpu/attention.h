@@ -10,7 +10,8 @@
 //
 // Masks: slot j ≥ n_valid; page.seq_id ≠ the query's sequence id; causal and key token index
 // (page.token_begin + j) > the query's position. A query that sees no key gets zeros.
-// Epilogue per query: o = acc / ℓ, then Rᵀ·o when the entry is rotated, then + μ_v.
+// Epilogue per query: o = acc / ℓ, then Rᵀ·o when the entry is rotated, then ⊙ λ_v, then + μ_v
+// (two separate fp32 roundings, no fused multiply-add, so the CUDA epilogue can mirror it).
 //
 // Dot products q̂·k̂ and the accumulation use the same 8-lane fixed order as projection.h.
 #pragma once

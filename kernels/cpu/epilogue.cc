@@ -77,8 +77,8 @@ void ToStoredK(float* x, int d, const float* mu, const float* lambda, bool rotat
   if (rotate) RotateForward(x, d, seed);
 }
 
-void ToStoredV(float* x, int d, const float* mu, bool rotate, uint64_t seed) {
-  for (int c = 0; c < d; ++c) x[c] -= mu[c];
+void ToStoredV(float* x, int d, const float* mu, const float* lambda_v, bool rotate, uint64_t seed) {
+  for (int c = 0; c < d; ++c) x[c] = (x[c] - mu[c]) / lambda_v[c];
   if (rotate) RotateForward(x, d, seed);
 }
 

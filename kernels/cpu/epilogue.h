@@ -6,7 +6,7 @@
 //     → RoPE (q and k only)            pairs of the first R = Σ axis_dims channels turn by pos·freq
 //     → stored form:
 //         K:  (k − μ_k) / λ  → R·  → quantized into its page (format.h)
-//         V:  (v − μ_v)      → R·  → quantized into its page
+//         V:  (v − μ_v) / λ_v → R· → quantized into its page
 //         Q:  q ⊙ λ          → R·  → rounded to bf16 (the GPU keeps Q as bf16 too)
 //
 // Arithmetic, so that the CUDA epilogue can mirror it:
@@ -55,9 +55,9 @@ void ApplyRope(float* x, int d, const RopeOptions& rope, const float* position);
 void EpilogueRow(const EpilogueParams& p, Proj proj, int64_t token, int head, const uint16_t* row, float* x);
 
 // Stored forms. x is the epilogued row (d floats); mu and lambda are the head's d entries.
-// K: x ← R·((x − μ)/λ); V: x ← R·(x − μ); Q: x ← R·(x ⊙ λ), then each value rounded to bf16.
+// K: x ← R·((x − μ)/λ); V: x ← R·((x − μ)/λ_v); Q: x ← R·(x ⊙ λ), then each value rounded to bf16.
 void ToStoredK(float* x, int d, const float* mu, const float* lambda, bool rotate, uint64_t seed);
-void ToStoredV(float* x, int d, const float* mu, bool rotate, uint64_t seed);
+void ToStoredV(float* x, int d, const float* mu, const float* lambda_v, bool rotate, uint64_t seed);
 void ToStoredQ(float* x, int d, const float* lambda, bool rotate, uint64_t seed);
 
 }  // namespace kvpack::cpu

@@ -26,7 +26,10 @@ Error CheckStats(const KvStats& stats, const LayerShape& shape) {
   const struct {
     const std::vector<float>* values;
     const char* name;
-  } fields[] = {{&stats.mu_k, "stats.mu_k"}, {&stats.mu_v, "stats.mu_v"}, {&stats.lambda, "stats.lambda"}};
+  } fields[] = {{&stats.mu_k, "stats.mu_k"},
+                {&stats.mu_v, "stats.mu_v"},
+                {&stats.lambda, "stats.lambda"},
+                {&stats.lambda_v, "stats.lambda_v"}};
   for (const auto& f : fields) {
     if (f.values->size() != hd) {
       return InvalidArgument(std::string(f.name) + " has " + std::to_string(f.values->size()) +
@@ -36,8 +39,10 @@ Error CheckStats(const KvStats& stats, const LayerShape& shape) {
       if (!std::isfinite(x)) return InvalidArgument(std::string(f.name) + " holds a non-finite value");
     }
   }
-  for (float x : stats.lambda) {
-    if (!(x > 0.0f)) return InvalidArgument("stats.lambda holds a value that is not positive");
+  for (int i = 2; i < 4; ++i) {  // λ and λ_v divide the stored rows
+    for (float x : *fields[i].values) {
+      if (!(x > 0.0f)) return InvalidArgument(std::string(fields[i].name) + " holds a value that is not positive");
+    }
   }
   return Error::Ok();
 }
@@ -160,6 +165,7 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
     stats.mu_k.assign(hd, 0.0f);
     stats.mu_v.assign(hd, 0.0f);
     stats.lambda.assign(hd, 1.0f);
+    stats.lambda_v.assign(hd, 1.0f);
   }
   if (Cancelled(cancel)) return CancelledError("the statistics pre-pass");
 

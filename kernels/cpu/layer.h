@@ -3,15 +3,15 @@
 //
 // Flow of RunLayer (= ProjectKv, then AttendLayer):
 //   1. statistics pre-pass (unless config.stats): project the S = min(N, stats_sample_tokens)
-//      tokens t_i = floor(i·N/S), apply bias / QK-norm / RoPE, compute μ_k, μ_v, λ per (head,
+//      tokens t_i = floor(i·N/S), apply bias / QK-norm / RoPE, compute μ_k, μ_v, λ, λ_v per (head,
 //      channel) (stats.h); write them, the page table and offsets into the K/V block (pack.h);
 //   2. K/V projection in chunks of config.projection_chunk tokens: x[chunk] · W_kᵀ, W_vᵀ with fp32
 //      accumulation in a fixed order, rounded to bf16 like a GEMM into a bf16 workspace
 //      (projection.h); then per (token, head) the fp32 epilogue bias → QK-norm → RoPE → stored form
 //      → quantized into the token's page (epilogue.h);
 //   3. query chunks of config.query_chunk tokens: x[chunk] · W_qᵀ, epilogue (λ, R, bf16 round),
-//      attention over the pages with online softmax, page by page (attention.h); acc/ℓ, Rᵀ, + μ_v
-//      in the epilogue; bf16 out. With in_place, Q of chunk c is projected from x rows of chunk c
+//      attention over the pages with online softmax, page by page (attention.h); acc/ℓ, Rᵀ, ⊙ λ_v,
+//      + μ_v in the epilogue; bf16 out. With in_place, Q of chunk c is projected from x rows of chunk c
 //      before the attention overwrites them (K/V were all projected in step 2).
 // Query i has the sequence id of the range holding token i and position i (causal: key ≤ query).
 // Results are bit-identical for every chunk size and thread count (each output element depends
@@ -79,9 +79,9 @@ Error RunLayer(const LayerConfig& config, const LayerTensors& tensors, uint8_t* 
 
 // ── Pieces on float tensors (quality evaluation and tests) ──────────────────────────────────────
 
-// μ_k, μ_v, λ from a strided sample of K and V, both [n_tokens, n_heads, head_dim] (after QK-norm
+// μ_k, μ_v, λ, λ_v from a strided sample of K and V, both [n_tokens, n_heads, head_dim] (after QK-norm
 // and RoPE); the same sample and formulas as the layer's pre-pass (stats.h). With smoothing off
-// μ = 0; with balancing off λ = 1.
+// μ = 0; with balancing off λ = λ_v = 1.
 KvStats ComputeStats(const float* k, const float* v, const LayerShape& shape, const TransformOptions& transforms);
 
 // Packs float K and V ([N, H, d], after QK-norm and RoPE) into `kv` (PlanKvLayout(shape,
@@ -98,7 +98,7 @@ struct QueryBlock {
   const int64_t* positions = nullptr;  // [n_q] token positions for causal masking; null: 0..n_q−1
 };
 
-// Attention of float queries over a packed entry; out is [n_q, H, d] float (acc/ℓ, Rᵀ, + μ_v, not
+// Attention of float queries over a packed entry; out is [n_q, H, d] float (acc/ℓ, Rᵀ, ⊙ λ_v, + μ_v, not
 // rounded). Key token index j is page.token_begin + slot; a query sees key j when the sequence ids
 // match and, with attention.causal, j ≤ its position. A query that sees no key gets zeros.
 Error AttendFloat(const KvEntryView& kv, const QueryBlock& queries, const AttentionOptions& attention,

@@ -39,6 +39,7 @@ void WriteBlockHeader(const KvLayout& layout, const KvStats& stats, uint8_t* blo
   memcpy(block + layout.mu_k_offset, stats.mu_k.data(), stats_bytes);
   memcpy(block + layout.mu_v_offset, stats.mu_v.data(), stats_bytes);
   memcpy(block + layout.lambda_offset, stats.lambda.data(), stats_bytes);
+  memcpy(block + layout.lambda_v_offset, stats.lambda_v.data(), stats_bytes);
 }
 
 void PackRow(const KvLayout& layout, const LayerShape& shape, const TransformOptions& transforms,
@@ -48,7 +49,7 @@ void PackRow(const KvLayout& layout, const LayerShape& shape, const TransformOpt
   const int64_t stat = static_cast<int64_t>(head) * d;
   const PageFormat format = static_cast<PageFormat>(layout.pages[page].format);
   ToStoredK(k, d, stats.mu_k.data() + stat, stats.lambda.data() + stat, transforms.rotate, transforms.seed);
-  ToStoredV(v, d, stats.mu_v.data() + stat, transforms.rotate, transforms.seed);
+  ToStoredV(v, d, stats.mu_v.data() + stat, stats.lambda_v.data() + stat, transforms.rotate, transforms.seed);
   EncodePageRow(format, k, d, slot, block + layout.k_offsets[head * n_pages + page]);
   EncodePageRow(format, v, d, slot, block + layout.v_offsets[head * n_pages + page]);
 }
@@ -58,8 +59,9 @@ Error PackKv(const float* k, const float* v, const LayerShape& shape, const std:
   if (Error e = ValidateShape(shape, false); !e.ok()) return e;
   if (Error e = ValidateRanges(shape.n_tokens, ranges); !e.ok()) return e;
   const size_t hd = static_cast<size_t>(shape.HeadCols());
-  if (stats.mu_k.size() != hd || stats.mu_v.size() != hd || stats.lambda.size() != hd) {
-    return InvalidArgument("stats: mu_k, mu_v and lambda must each have n_heads * head_dim = " +
+  if (stats.mu_k.size() != hd || stats.mu_v.size() != hd || stats.lambda.size() != hd ||
+      stats.lambda_v.size() != hd) {
+    return InvalidArgument("stats: mu_k, mu_v, lambda and lambda_v must each have n_heads * head_dim = " +
                            std::to_string(hd) + " entries");
   }
   if (k == nullptr || v == nullptr || kv == nullptr) return InvalidArgument("PackKv: k, v and kv must not be null");

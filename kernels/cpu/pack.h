@@ -2,7 +2,7 @@
 // block's tables and statistics, and PackKv on float tensors.
 //
 // A block is self-contained once WriteBlockHeader has run and every token's K and V rows are
-// encoded: MakeKvView over it gives the attention everything (pages, offsets, μ_k, μ_v, λ).
+// encoded: MakeKvView over it gives the attention everything (pages, offsets, μ_k, μ_v, λ, λ_v).
 // Invalid slots of a partial page stay zero (format.h): the page region is cleared first.
 #pragma once
 

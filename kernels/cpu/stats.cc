@@ -13,6 +13,25 @@ int64_t StatsSampleCount(int64_t n_tokens, const TransformOptions& transforms) {
   return std::min<int64_t>(n_tokens, std::max(transforms.stats_sample_tokens, 1));
 }
 
+namespace {
+
+// λ of one head from its channels' spreads m_c (stats.h: the sample range for K, the RMS for V);
+// spread[] is overwritten. Leaves lambda untouched (ones) when every spread is 0 or one is not finite.
+void BalanceFromSpreads(double* spread, int d, float* lambda) {
+  double widest = 0.0;
+  for (int c = 0; c < d; ++c) widest = std::max(widest, spread[c]);
+  if (!(widest > 0.0) || !std::isfinite(widest)) return;  // λ stays 1
+  double log_sum = 0.0;
+  for (int c = 0; c < d; ++c) {
+    spread[c] = std::sqrt(std::max(spread[c], kLambdaFloor * widest));
+    log_sum += std::log(spread[c]);
+  }
+  const double geo_mean = std::exp(log_sum / d);
+  for (int c = 0; c < d; ++c) lambda[c] = static_cast<float>(spread[c] / geo_mean);
+}
+
+}  // namespace
+
 KvStats StatsFromSample(int64_t n_sample, const LayerShape& shape, const TransformOptions& transforms,
                         const SampleRowFn& row, int n_threads) {
   const int d = shape.head_dim;
@@ -21,11 +40,13 @@ KvStats StatsFromSample(int64_t n_sample, const LayerShape& shape, const Transfo
   stats.mu_k.assign(hd, 0.0f);
   stats.mu_v.assign(hd, 0.0f);
   stats.lambda.assign(hd, 1.0f);
+  stats.lambda_v.assign(hd, 1.0f);
   if (!transforms.smooth && !transforms.balance) return stats;
 
   ParallelFor(n_threads, shape.n_heads, [&](int64_t h) {
     float k[kMaxHeadDimCpu], v[kMaxHeadDimCpu];
-    double sum_k[kMaxHeadDimCpu] = {}, sum_v[kMaxHeadDimCpu] = {}, range[kMaxHeadDimCpu] = {};
+    double sum_k[kMaxHeadDimCpu] = {}, sum_v[kMaxHeadDimCpu] = {};
+    double range_k[kMaxHeadDimCpu] = {}, rms_v[kMaxHeadDimCpu] = {};
     float* mu_k = stats.mu_k.data() + h * d;
     float* mu_v = stats.mu_v.data() + h * d;
     if (transforms.smooth) {
@@ -41,19 +62,15 @@ KvStats StatsFromSample(int64_t n_sample, const LayerShape& shape, const Transfo
     if (!transforms.balance) return;
     for (int64_t i = 0; i < n_sample; ++i) {
       row(i, static_cast<int>(h), k, v);
-      for (int c = 0; c < d; ++c) range[c] = std::max(range[c], std::fabs(static_cast<double>(k[c]) - mu_k[c]));
+      for (int c = 0; c < d; ++c) {
+        range_k[c] = std::max(range_k[c], std::fabs(static_cast<double>(k[c]) - mu_k[c]));
+        const double dv = static_cast<double>(v[c]) - mu_v[c];
+        rms_v[c] += dv * dv;  // sum of squares until the division below
+      }
     }
-    double widest = 0.0;
-    for (int c = 0; c < d; ++c) widest = std::max(widest, range[c]);
-    if (!(widest > 0.0) || !std::isfinite(widest)) return;  // λ stays 1
-    double log_sum = 0.0;
-    for (int c = 0; c < d; ++c) {
-      range[c] = std::sqrt(std::max(range[c], kLambdaFloor * widest));
-      log_sum += std::log(range[c]);
-    }
-    const double geo_mean = std::exp(log_sum / d);
-    float* lambda = stats.lambda.data() + h * d;
-    for (int c = 0; c < d; ++c) lambda[c] = static_cast<float>(range[c] / geo_mean);
+    for (int c = 0; c < d; ++c) rms_v[c] = std::sqrt(rms_v[c] / static_cast<double>(n_sample));
+    BalanceFromSpreads(range_k, d, stats.lambda.data() + h * d);
+    BalanceFromSpreads(rms_v, d, stats.lambda_v.data() + h * d);
   });
   return stats;
 }

@@ -1,4 +1,4 @@
-// μ_k, μ_v and λ from a strided sample of tokens (format.h, DESIGN.md §2).
+// μ_k, μ_v, λ and λ_v from a strided sample of tokens (format.h, DESIGN.md §2).
 //
 // Sample: S = min(N, transforms.stats_sample_tokens) tokens t_i = floor(i·N/S), i < S.
 // For each head h and channel c, over the sample (values after bias / QK-norm / RoPE):
@@ -6,6 +6,13 @@
 //   m_c      = max_i |k_ic − μ_k[h,c]|
 //   λ'_c     = sqrt(max(m_c, kLambdaFloor · max_c' m_c'))  (λ' = 1 for the head if all m are 0)
 //   λ[h,c]   = λ'_c / exp(mean_c log λ'_c)               (geometric mean 1 per head; 1 when off)
+//   σ_c      = sqrt(mean_i (v_ic − μ_v[h,c])²)              (the channel's RMS around μ_v)
+//   λ_v[h,c] = the rule of λ with σ_c in place of m_c
+// Why λ_v = sqrt(σ): after rotation every stored V row is quantized with one step, set by the row's
+// norm ‖(v − μ_v)/λ_v‖, and the output error of channel c is λ_v,c times that step (white in the
+// rotated space). The expected error energy, ∝ (Σ_c λ_v,c²)·(Σ_c σ_c²/λ_v,c²), is smallest at
+// λ_v,c ∝ sqrt(σ_c) (Cauchy–Schwarz); docs/quality.md has the measurements behind the choice.
+// K keeps the range rule of DESIGN.md §2; whether σ would suit K as well is not measured.
 // Sums and maxima in double, in increasing i, one head at a time (bit-identical for any thread
 // count); results rounded to float once.
 #pragma once

@@ -337,7 +337,7 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const
     __syncthreads();  // every warp is done with the tiles before the next window or the epilogue
   }
 
-  // ── Epilogue: normalise, stage rows in shared memory, Rᵀ and +μ_v per row, bf16 out ──────────
+  // ── Epilogue: normalise, stage rows in shared memory, Rᵀ, ×λ_v and +μ_v per row, bf16 out ─────
   float* stage_rows = reinterpret_cast<float*>(smem) + row0 * T::kStagePitch;  // this warp's rows
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
@@ -360,6 +360,7 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const
   __syncwarp();
   constexpr int kPerLane = kDim / 32;
   const float* mu_v = p.kv.mu_v + head * kDim + lane * kPerLane;
+  const float* lambda_v = p.kv.lambda_v + head * kDim + lane * kPerLane;
   float sign[kPerLane];
   LaneSigns(sign, lane, p.kv.seed);
   for (int rr = 0; rr < T::kRowsPerWarp; ++rr) {
@@ -370,7 +371,7 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const
     for (int i = 0; i < kPerLane; ++i) x[i] = stage_rows[rr * T::kStagePitch + lane * kPerLane + i];
     if (p.kv.rotate) WarpRotateInverse(x, lane, sign);
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) x[i] += mu_v[i];
+    for (int i = 0; i < kPerLane; ++i) x[i] = __fmul_rn(x[i], lambda_v[i]) + mu_v[i];  // no FMA: as the CPU rounds
     StoreBf16(p.out + (q0 + row) * p.out_stride + head * kDim + lane * kPerLane, x);
   }
 }

@@ -152,9 +152,13 @@ Error ComputeStatsOnDevice(const LayerConfig& c, const LayerTensors& t, const Kv
   p.in = projected, p.in_stride = 2 * hd, p.n_rows = s, p.token_index = d_index;
   p.out_float = floats;
   KVPACK_RETURN_IF_ERROR(LaunchRowEpilogue(RowMode::kStats, p, ctx.stream));
-  return LaunchKvStats(floats, s, c.shape.n_heads, c.shape.head_dim, c.transforms.smooth, c.transforms.balance,
-                       reinterpret_cast<float*>(kv + layout.mu_k_offset), reinterpret_cast<float*>(kv + layout.mu_v_offset),
-                       reinterpret_cast<float*>(kv + layout.lambda_offset), ctx.stream);
+  KvStatsOut out;
+  out.mu_k = reinterpret_cast<float*>(kv + layout.mu_k_offset);
+  out.mu_v = reinterpret_cast<float*>(kv + layout.mu_v_offset);
+  out.lambda = reinterpret_cast<float*>(kv + layout.lambda_offset);
+  out.lambda_v = reinterpret_cast<float*>(kv + layout.lambda_v_offset);
+  return LaunchKvStats(floats, s, c.shape.n_heads, c.shape.head_dim, c.transforms.smooth, c.transforms.balance, out,
+                       ctx.stream);
 }
 
 }  // namespace
@@ -175,8 +179,9 @@ Error Supported(const LayerConfig& c) {
   }
   if (c.stats) {
     const size_t want = static_cast<size_t>(c.shape.HeadCols());
-    if (c.stats->mu_k.size() != want || c.stats->mu_v.size() != want || c.stats->lambda.size() != want) {
-      return InvalidArgument("stats: mu_k, mu_v and lambda must each hold n_heads * head_dim = " +
+    if (c.stats->mu_k.size() != want || c.stats->mu_v.size() != want || c.stats->lambda.size() != want ||
+        c.stats->lambda_v.size() != want) {
+      return InvalidArgument("stats: mu_k, mu_v, lambda and lambda_v must each hold n_heads * head_dim = " +
                              std::to_string(want) + " values");
     }
   } else if (c.transforms.stats_sample_tokens <= 0) {
@@ -214,6 +219,8 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
     KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.mu_k_offset, c.stats->mu_k.data(), bytes, cudaMemcpyHostToDevice, ctx.stream));
     KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.mu_v_offset, c.stats->mu_v.data(), bytes, cudaMemcpyHostToDevice, ctx.stream));
     KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.lambda_offset, c.stats->lambda.data(), bytes, cudaMemcpyHostToDevice, ctx.stream));
+    KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.lambda_v_offset, c.stats->lambda_v.data(), bytes, cudaMemcpyHostToDevice,
+                                       ctx.stream));
   } else {
     KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::stats_ms)));
     KVPACK_RETURN_IF_ERROR(ComputeStatsOnDevice(c, t, layout, kv, main, gemm, ctx));
@@ -225,7 +232,7 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
   uint16_t* projected = reinterpret_cast<uint16_t*>(main);
   RowEpilogueParams p = BaseRowParams(c, t);
   p.in = projected, p.in_stride = 2 * hd;
-  p.mu_k = view.mu_k, p.mu_v = view.mu_v, p.lambda = view.lambda;
+  p.mu_k = view.mu_k, p.mu_v = view.mu_v, p.lambda = view.lambda, p.lambda_v = view.lambda_v;
   p.kv_block = kv, p.pages = view.pages, p.n_pages = view.n_pages;
   p.k_offsets = view.k_offsets, p.v_offsets = view.v_offsets;
   const int64_t tp = ProjectionRows(c);

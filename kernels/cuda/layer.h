@@ -3,13 +3,13 @@
 // Flow of RunLayer (= ProjectKv, then AttendLayer), all on context.stream:
 //   1. statistics pre-pass (unless config.stats): gather a strided sample of
 //      min(N, transforms.stats_sample_tokens) tokens (token i·N/S), one cuBLASLt GEMM against W_k, W_v,
-//      bias / QK-norm / RoPE, then μ_k, μ_v, λ per (head, channel) into the entry's tables;
+//      bias / QK-norm / RoPE, then μ_k, μ_v, λ, λ_v per (head, channel) into the entry's tables;
 //   2. K/V projection in chunks of config.projection_chunk tokens: one cuBLASLt GEMM x[chunk]·W_{k,v}ᵀ
 //      into a bf16 workspace [Tp, 2·H·d] (fp32 accumulation), then ONE fused epilogue kernel (bias,
-//      QK-norm, RoPE, −μ, ÷λ, rotation, quantization) that writes the entry's pages;
+//      QK-norm, RoPE, −μ, ÷λ (K) or ÷λ_v (V), rotation, quantization) that writes the entry's pages;
 //   3. query chunks of config.query_chunk tokens: GEMM x[chunk]·W_qᵀ into a bf16 workspace [Tq, H·d],
 //      epilogue (bias, QK-norm, RoPE, ×λ, R) in place, attention over the pages (attention.h), whose
-//      epilogue applies Rᵀ and +μ_v and writes bf16 rows of tensors.out (which may be tensors.x).
+//      epilogue applies Rᵀ, ×λ_v and +μ_v and writes bf16 rows of tensors.out (which may be tensors.x).
 // The full BF16 Q, K or V tensor never exists; nothing of size N×N is allocated.
 //
 // Memory: the caller passes the K/V block (KvBytes) and the scratch (WorkspaceBytes), both device

@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const R
         for (int i = 0; i < kPerLane; ++i) x[i] = (x[i] - p.mu_k[hc + i]) / p.lambda[hc + i];
       } else {
 #pragma unroll
-        for (int i = 0; i < kPerLane; ++i) x[i] -= p.mu_v[hc + i];
+        for (int i = 0; i < kPerLane; ++i) x[i] = (x[i] - p.mu_v[hc + i]) / p.lambda_v[hc + i];
       }
       if (p.rotate) WarpRotateForward(x, lane, sign);
       const uint64_t offset = (which == 0 ? p.k_offsets : p.v_offsets)[static_cast<int64_t>(head) * p.n_pages + page_index];
@@ -204,12 +204,24 @@ __global__ void GatherRowsKernel(const uint16_t* x, int64_t hidden, const int64_
 // in a fixed order, so the result is deterministic.
 constexpr int kStatsGroups = 8;
 
+// λ of channel c from the head's channel spreads (spread[c] = m; K: sample range, V: RMS): the CPU
+// reference's BalanceFromSpreads, the same operations in the same order. 1 when balancing is off or
+// every spread is 0.
+template <int kDim>
+__device__ float BalanceFactor(const double* spread, double m, bool balance) {
+  double widest = 0.0;
+  for (int i = 0; i < kDim; ++i) widest = fmax(widest, spread[i]);
+  if (!balance || !(widest > 0.0) || !isfinite(widest)) return 1.0f;
+  double log_sum = 0.0;
+  for (int i = 0; i < kDim; ++i) log_sum += log(sqrt(fmax(spread[i], kLambdaFloor * widest)));
+  return static_cast<float>(sqrt(fmax(m, kLambdaFloor * widest)) / exp(log_sum / kDim));
+}
+
 template <int kDim>
 __global__ void __launch_bounds__(kDim * kStatsGroups) KvStatsKernel(const float* kv, int64_t n_sample, int n_heads,
-                                                                     bool smooth, bool balance, float* mu_k,
-                                                                     float* mu_v, float* lambda) {
+                                                                     bool smooth, bool balance, KvStatsOut out) {
   __shared__ double part[2][kStatsGroups][kDim];
-  __shared__ double range[kDim];
+  __shared__ double spread[2][kDim];  // K: max |k − μ_k|, V: RMS of v − μ_v
   const int c = threadIdx.x % kDim, group = threadIdx.x / kDim, head = blockIdx.x;
   const int64_t head_cols = static_cast<int64_t>(n_heads) * kDim;
   const int64_t stride = 2 * head_cols;
@@ -227,30 +239,28 @@ __global__ void __launch_bounds__(kDim * kStatsGroups) KvStatsKernel(const float
   for (int g = 0; g < kStatsGroups; ++g) total_k += part[0][g][c], total_v += part[1][g][c];
   const float mk = smooth ? static_cast<float>(total_k / static_cast<double>(n_sample)) : 0.0f;
   const float mv = smooth ? static_cast<float>(total_v / static_cast<double>(n_sample)) : 0.0f;
-  double m = 0.0;
+  double m_k = 0.0, ss_v = 0.0;  // this group's max |k − μ_k| and Σ (v − μ_v)²
   for (int64_t r = group; r < n_sample; r += kStatsGroups) {
-    m = fmax(m, fabs(static_cast<double>(kv[r * stride + kc]) - static_cast<double>(mk)));
+    m_k = fmax(m_k, fabs(static_cast<double>(kv[r * stride + kc]) - static_cast<double>(mk)));
+    const double dv = static_cast<double>(kv[r * stride + head_cols + kc]) - static_cast<double>(mv);
+    ss_v += dv * dv;
   }
   __syncthreads();
-  part[0][group][c] = m;
+  part[0][group][c] = m_k, part[1][group][c] = ss_v;
   __syncthreads();
+  double rms_v = 0.0;
   if (group == 0) {
-    for (int g = 1; g < kStatsGroups; ++g) m = fmax(m, part[0][g][c]);
-    range[c] = m;
+    double total = 0.0;
+    for (int g = 0; g < kStatsGroups; ++g) m_k = fmax(m_k, part[0][g][c]), total += part[1][g][c];
+    rms_v = sqrt(total / static_cast<double>(n_sample));
+    spread[0][c] = m_k, spread[1][c] = rms_v;
   }
   __syncthreads();
   if (group != 0) return;
-  double widest = 0.0;
-  for (int i = 0; i < kDim; ++i) widest = fmax(widest, range[i]);
-  float lam = 1.0f;
-  if (balance && widest > 0.0 && isfinite(widest)) {
-    double log_sum = 0.0;
-    for (int i = 0; i < kDim; ++i) log_sum += log(sqrt(fmax(range[i], kLambdaFloor * widest)));
-    lam = static_cast<float>(sqrt(fmax(m, kLambdaFloor * widest)) / exp(log_sum / kDim));
-  }
-  mu_k[kc] = mk;
-  mu_v[kc] = mv;
-  lambda[kc] = lam;
+  out.mu_k[kc] = mk;
+  out.mu_v[kc] = mv;
+  out.lambda[kc] = BalanceFactor<kDim>(spread[0], m_k, balance);
+  out.lambda_v[kc] = BalanceFactor<kDim>(spread[1], rms_v, balance);
 }
 
 }  // namespace
@@ -285,11 +295,11 @@ Error LaunchGatherRows(const uint16_t* x, int64_t hidden, const int64_t* token_i
 }
 
 Error LaunchKvStats(const float* kv, int64_t n_sample, int n_heads, int head_dim, bool smooth, bool balance,
-                    float* mu_k, float* mu_v, float* lambda, cudaStream_t stream) {
+                    const KvStatsOut& out, cudaStream_t stream) {
   if (head_dim == 128) {
-    KvStatsKernel<128><<<n_heads, 128 * kStatsGroups, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, mu_k, mu_v, lambda);
+    KvStatsKernel<128><<<n_heads, 128 * kStatsGroups, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, out);
   } else if (head_dim == 64) {
-    KvStatsKernel<64><<<n_heads, 64 * kStatsGroups, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, mu_k, mu_v, lambda);
+    KvStatsKernel<64><<<n_heads, 64 * kStatsGroups, 0, stream>>>(kv, n_sample, n_heads, smooth, balance, out);
   } else {
     return Unsupported("stats: head_dim " + std::to_string(head_dim));
   }

@@ -1,10 +1,11 @@
 // Row epilogues of the streamed projection: one warp per (token, head) row of a GEMM output.
 //
-//   kPackKv  bf16 [T, 2·H·d] (K | V)  → bias, QK-norm, RoPE (K), −μ, ÷λ (K), R, quantize → pages
+//   kPackKv  bf16 [T, 2·H·d] (K | V)  → bias, QK-norm, RoPE (K), −μ, ÷λ (K) or ÷λ_v (V), R,
+//                                        quantize → pages
 //   kStats   bf16 [S, 2·H·d] (K | V)  → bias, QK-norm, RoPE (K)                 → float [S, 2·H·d]
 //   kQuery   bf16 [T, H·d]     (Q)    → bias, QK-norm, RoPE, ×λ, R              → bf16, in place
 //
-// plus the statistics reduction (μ_k, μ_v, λ per (head, channel)) and the sample gather of the
+// plus the statistics reduction (μ_k, μ_v, λ, λ_v per (head, channel)) and the sample gather of the
 // pre-pass. Every step runs in fp32 in the order of format.h; the rotation uses the same butterfly
 // order as rotation.h, so codes match the CPU reference wherever the fp32 inputs match.
 #pragma once
@@ -47,10 +48,12 @@ struct RowEpilogueParams {
   uint8_t rope_axis_of_pair[kMaxHeadDimGpu / 2] = {};
   const float* positions = nullptr;        // [N, rope_axes]
 
-  // Smoothing and rotation (device tables of the entry; μ = 0 and λ = 1 where switched off).
+  // Smoothing, balancing and rotation (device tables of the entry; μ = 0 and λ = λ_v = 1 where
+  // switched off).
   const float* mu_k = nullptr;
   const float* mu_v = nullptr;
-  const float* lambda = nullptr;
+  const float* lambda = nullptr;           // K (kPackKv) and Q (kQuery)
+  const float* lambda_v = nullptr;         // V (kPackKv)
   bool rotate = true;
   uint64_t seed = 0;
 
@@ -75,12 +78,20 @@ Error LaunchRowEpilogue(RowMode mode, const RowEpilogueParams& params, cudaStrea
 Error LaunchGatherRows(const uint16_t* x, int64_t hidden, const int64_t* token_index, int64_t n, uint16_t* out,
                        cudaStream_t stream);
 
-// μ_k, μ_v, λ per (head, channel) from the pre-pass's float K | V [n_sample, 2·H·d], the CPU
+// μ_k, μ_v, λ, λ_v per (head, channel) from the pre-pass's float K | V [n_sample, 2·H·d], the CPU
 // reference's rule (kernels/cpu/stats.h) in double: μ = mean over the sample (0 without smoothing);
 // m_c = max|k_c − μ_c|, λ'_c = sqrt(max(m_c, kLambdaFloor · max m)), λ = λ' / geometric mean of the
-// head's λ' (1 without balancing, or when every m_c of the head is 0).
+// head's λ' (1 without balancing, or when every m_c of the head is 0); λ_v the same rule with V's RMS
+// σ_c = sqrt(mean (v_c − μ_v,c)²) in place of m_c. The sums are grouped (kStatsGroups partial sums),
+// so μ and σ may differ from the CPU's in the last bits of a double.
 inline constexpr double kLambdaFloor = 1e-6;
+struct KvStatsOut {
+  float* mu_k = nullptr;      // each [n_heads · head_dim], device
+  float* mu_v = nullptr;
+  float* lambda = nullptr;
+  float* lambda_v = nullptr;
+};
 Error LaunchKvStats(const float* kv, int64_t n_sample, int n_heads, int head_dim, bool smooth, bool balance,
-                    float* mu_k, float* mu_v, float* lambda, cudaStream_t stream);
+                    const KvStatsOut& out, cudaStream_t stream);
 
 }  // namespace kvpack::cuda

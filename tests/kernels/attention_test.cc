@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -114,6 +115,9 @@ TEST(Attention, SmoothingBalancingAndRotationAreExactInFp64) {
   const LayerShape shape{p.n_k, H * d, H, d};
   const TransformOptions transforms;
   const KvStats s = ComputeStats(p.data.k.data(), p.data.v.data(), shape, transforms);
+  // Both balancings are at work: the outlier channels of K and V get factors well above 1.
+  EXPECT_GT(*std::max_element(s.lambda.begin(), s.lambda.end()), 2.0f);
+  EXPECT_GT(*std::max_element(s.lambda_v.begin(), s.lambda_v.end()), 2.0f);
   const std::vector<double> r = RotationMatrix(d, transforms.seed);
   const double scale = 1.0 / std::sqrt(double(d));
   auto rotate = [&](const std::vector<double>& x) {
@@ -142,16 +146,16 @@ TEST(Attention, SmoothingBalancingAndRotationAreExactInFp64) {
       }
       for (int64_t j = 0; j < p.n_k; ++j) {
         std::vector<double> v(d);
-        for (int c = 0; c < d; ++c) v[c] = p.data.v[(j * H + h) * d + c] - double(s.mu_v[h * d + c]);
+        for (int c = 0; c < d; ++c) v[c] = (p.data.v[(j * H + h) * d + c] - double(s.mu_v[h * d + c])) / s.lambda_v[h * d + c];
         v = rotate(v);
         const double e = std::exp(scores[j] - best);
         sum += e;
         for (int c = 0; c < d; ++c) acc[c] += e * v[c];
       }
-      for (int i = 0; i < d; ++i) {  // o = Rᵀ·(acc/ℓ) + μ_v
+      for (int i = 0; i < d; ++i) {  // o = λ_v ⊙ Rᵀ·(acc/ℓ) + μ_v
         double o = 0.0;
         for (int j = 0; j < d; ++j) o += r[j * d + i] * acc[j] / sum;
-        o += s.mu_v[h * d + i];
+        o = o * s.lambda_v[h * d + i] + s.mu_v[h * d + i];
         const double expected = ref[(t * H + h) * d + i];
         ASSERT_NEAR(o, expected, kFp64Exactness * (1.0 + std::fabs(expected))) << "t " << t << " h " << h << " c " << i;
       }

@@ -110,8 +110,9 @@ TEST(Epilogue, RowAppliesBiasNormAndRopeInOrderPerHead) {
 TEST(Epilogue, StoredFormsKeepDotProductsUpToTheKeyMean) {
   std::mt19937_64 rng(10);
   const int d = 64;
-  std::vector<float> mu_k = Row(rng, d), mu_v = Row(rng, d), lambda(d);
+  std::vector<float> mu_k = Row(rng, d), mu_v = Row(rng, d), lambda(d), lambda_v(d);
   for (int c = 0; c < d; ++c) lambda[c] = 0.25f + 0.05f * (c % 31);
+  for (int c = 0; c < d; ++c) lambda_v[c] = 2.0f - 0.04f * (c % 37);
   for (bool rotate : {false, true}) {
     for (int trial = 0; trial < 20; ++trial) {
       std::vector<float> q = Row(rng, d), k = Row(rng, d), v = Row(rng, d);
@@ -120,13 +121,13 @@ TEST(Epilogue, StoredFormsKeepDotProductsUpToTheKeyMean) {
       std::vector<float> qs = q, ks = k, vs = v;
       ToStoredQ(qs.data(), d, lambda.data(), rotate, 77);
       ToStoredK(ks.data(), d, mu_k.data(), lambda.data(), rotate, 77);
-      ToStoredV(vs.data(), d, mu_v.data(), rotate, 77);
+      ToStoredV(vs.data(), d, mu_v.data(), lambda_v.data(), rotate, 77);
       double got = 0.0;
       for (int c = 0; c < d; ++c) got += double(qs[c]) * ks[c];
       EXPECT_NEAR(got, expected, kDotTolerance * Magnitude(q) * Magnitude(k));
       for (int c = 0; c < d; ++c) EXPECT_EQ(qs[c], Bf16ToFloat(FloatToBf16(qs[c])));  // Q is bf16
       if (rotate) RotateInverse(vs.data(), d, 77);
-      for (int c = 0; c < d; ++c) EXPECT_NEAR(vs[c] + mu_v[c], v[c], 1e-5 * Magnitude(v));
+      for (int c = 0; c < d; ++c) EXPECT_NEAR(vs[c] * lambda_v[c] + mu_v[c], v[c], 1e-5 * Magnitude(v));
     }
   }
 }

@@ -84,7 +84,15 @@ TEST(KvLayout, PagesThenTablesAligned) {
   EXPECT_EQ(layout.v_offsets[0], 2 * per_head);
   for (uint64_t o : layout.k_offsets) EXPECT_EQ(o % 128, 0u);
   EXPECT_EQ(layout.pages_offset % 256, 0u);
-  EXPECT_GE(layout.total_bytes, layout.lambda_offset + 2 * 128 * sizeof(float));
+  const uint64_t stats_bytes = 2 * 128 * sizeof(float);  // one float per (head, channel)
+  const uint64_t tables[] = {layout.mu_k_offset, layout.mu_v_offset, layout.lambda_offset, layout.lambda_v_offset};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(tables[i] % 256, 0u) << "table " << i;
+    if (i > 0) {
+      EXPECT_GE(tables[i], tables[i - 1] + stats_bytes) << "table " << i << " overlaps the one before";
+    }
+  }
+  EXPECT_GE(layout.total_bytes, layout.lambda_v_offset + stats_bytes);
 
   std::vector<uint8_t> block(layout.total_bytes, 0xab);
   WriteKvTables(layout, block.data() + layout.pages_offset);
@@ -92,6 +100,8 @@ TEST(KvLayout, PagesThenTablesAligned) {
   EXPECT_EQ(view.n_pages, 6);
   EXPECT_EQ(view.pages[2].token_begin, 77);
   EXPECT_EQ(view.v_offsets[7], layout.v_offsets[7]);
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(view.lambda), block.data() + layout.lambda_offset);
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(view.lambda_v), block.data() + layout.lambda_v_offset);
 }
 
 }  // namespace

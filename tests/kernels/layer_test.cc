@@ -94,7 +94,7 @@ TEST(Layer, InPlaceOutputEqualsOutOfPlace) {
   EXPECT_EQ(in_place, out_of_place);
 }
 
-// Statistics of a finished block, to run pieces of the layer with the same μ and λ.
+// Statistics of a finished block, to run pieces of the layer with the same μ, λ and λ_v.
 KvStats StatsOf(const TestLayer& L, const std::vector<uint8_t>& kv) {
   const KvLayout layout = PlanKvLayout(L.config.shape, L.config.ranges);
   const size_t hd = static_cast<size_t>(L.config.shape.HeadCols());
@@ -103,6 +103,7 @@ KvStats StatsOf(const TestLayer& L, const std::vector<uint8_t>& kv) {
   s.mu_k.assign(base + layout.mu_k_offset / 4, base + layout.mu_k_offset / 4 + hd);
   s.mu_v.assign(base + layout.mu_v_offset / 4, base + layout.mu_v_offset / 4 + hd);
   s.lambda.assign(base + layout.lambda_offset / 4, base + layout.lambda_offset / 4 + hd);
+  s.lambda_v.assign(base + layout.lambda_v_offset / 4, base + layout.lambda_v_offset / 4 + hd);
   return s;
 }
 
@@ -178,6 +179,7 @@ TEST(Layer, WorkspaceIsExactlyWhatItUses) {
       stats.mu_k.assign(64, 0.1f);
       stats.mu_v.assign(64, -0.2f);
       stats.lambda.assign(64, 1.0f);
+      stats.lambda_v.assign(64, 1.5f);
       L.config.stats = &stats;
     }
     const uint64_t hd = 64;
@@ -292,6 +294,14 @@ TEST(Layer, RejectsWrongStatsAndMissingTensors) {
   stats.mu_k.assign(10, 0.0f);
   L.config.stats = &stats;
   EXPECT_NE(Supported(L.config).message().find("stats.mu_k has 10 entries"), std::string::npos);
+  stats.mu_k.assign(64, 0.0f);
+  stats.mu_v.assign(64, 0.0f);
+  stats.lambda.assign(64, 1.0f);
+  EXPECT_NE(Supported(L.config).message().find("stats.lambda_v has 0 entries"), std::string::npos);
+  stats.lambda_v.assign(64, 1.0f);
+  EXPECT_TRUE(Supported(L.config).ok()) << Supported(L.config).message();
+  stats.lambda_v[7] = 0.0f;  // V rows are divided by λ_v
+  EXPECT_NE(Supported(L.config).message().find("stats.lambda_v holds a value that is not positive"), std::string::npos);
   L.config.stats = nullptr;
   SetRope(L, VideoRope(RopeLayout::kInterleaved, 32));
   LayerTensors t = L.Tensors();

@@ -63,6 +63,7 @@ TEST(Pack, RowsDecodeBackAndInvalidSlotsStayZero) {
   EXPECT_EQ(0, memcmp(view.pages, layout.pages.data(), layout.pages.size() * sizeof(PageDesc)));
   EXPECT_EQ(0, memcmp(view.k_offsets, layout.k_offsets.data(), layout.k_offsets.size() * 8));
   EXPECT_EQ(0, memcmp(view.lambda, stats.lambda.data(), stats.lambda.size() * 4));
+  EXPECT_EQ(0, memcmp(view.lambda_v, stats.lambda_v.data(), stats.lambda_v.size() * 4));
   EXPECT_EQ(0, memcmp(view.mu_v, stats.mu_v.data(), stats.mu_v.size() * 4));
 
   float row[kMaxHeadDimCpu];
@@ -86,8 +87,8 @@ TEST(Pack, RowsDecodeBackAndInvalidSlotsStayZero) {
           const std::vector<float>& src = kind == 0 ? k : v;
           for (int c = 0; c < d; ++c) {
             const int64_t i = h * d + c;
-            const double back = kind == 0 ? row[c] * stats.lambda[i] + stats.mu_k[i] : row[c] + stats.mu_v[i];
-            const double scale = kind == 0 ? stats.lambda[i] : 1.0;
+            const double scale = kind == 0 ? stats.lambda[i] : stats.lambda_v[i];
+            const double back = row[c] * scale + (kind == 0 ? stats.mu_k : stats.mu_v)[i];
             // Rotation spreads each code's error over all channels: bound by the row's step · √d.
             ASSERT_NEAR(back, src[(t * heads + h) * d + c], tolerance * range * scale * std::sqrt(double(d)) + 1e-4)
                 << "head " << h << " token " << t << " channel " << c << " kind " << kind;
@@ -104,7 +105,8 @@ TEST(Pack, RejectsStatsOfTheWrongSize) {
   KvStats stats;
   stats.mu_k.assign(32, 0.0f);
   stats.mu_v.assign(32, 0.0f);
-  stats.lambda.assign(31, 1.0f);
+  stats.lambda.assign(32, 1.0f);
+  stats.lambda_v.assign(31, 1.0f);
   std::vector<uint8_t> block(1 << 16);
   const Error e = PackKv(k.data(), k.data(), shape, {{0, 64, 0, PageFormat::kInt8}}, stats, TransformOptions{},
                          block.data(), CpuOptions{1});

@@ -16,13 +16,16 @@ constexpr int64_t kQueries = 192;
 constexpr int kHeads = 4;
 constexpr int kHeadDim = 128;
 
-// The targets are a full-method rel_l2 5× (INT4) and 10× (INT8) below naive per-row
-// quantization. On this generator they are met only with the largest outliers: measured gains over
-// five seeds at 10/20/50× outliers are INT4 3.3–8.2×, INT8 4.8–12.7× (docs/quality.md explains why:
-// V's outlier channels, which format v1 smooths and rotates but cannot balance). These floors guard
-// against regressions below what the method measures; the cosine targets are the issue's own.
-constexpr double kInt4GainFloor = 3.0;
-constexpr double kInt8GainFloor = 4.5;
+// The targets: full-method rel_l2 at least 5× (INT4) and 10× (INT8) below naive per-row
+// quantization, mean cosine ≥ 0.99 / 0.9999 / 0.99999 (INT4 / INT8 / BF16). With V balanced as well
+// as K (format.h) the ratios hold on average over seeds 1–10 at 20× and 50× outliers (INT8 at 20×
+// only just: 10.2×, single seeds 9.0–15.1×), and are asserted as given there. At 10× outliers they
+// are missed on average (INT4 4.8×, INT8 7.0×; docs/quality.md says why), so those two ratios keep
+// floors that guard the measured behaviour on this seed (INT4 6.1×, INT8 8.1×) instead.
+constexpr double kInt4Gain = 5.0;
+constexpr double kInt8Gain = 10.0;
+constexpr double kInt4GainFloorAt10xOutliers = 4.5;
+constexpr double kInt8GainFloorAt10xOutliers = 6.5;
 constexpr double kInt4Cosine = 0.99;
 constexpr double kInt8Cosine = 0.9999;
 constexpr double kBf16Cosine = 0.99999;
@@ -72,11 +75,13 @@ TEST(Quality, FullMethodMeetsItsTargets) {
       const std::string where = std::string(name) + " at " + std::to_string(int(outliers)) + "x outliers";
       switch (format) {
         case PageFormat::kInt4:
-          EXPECT_LE(f.full.rel_l2 * kInt4GainFloor, f.naive.rel_l2) << where;
+          EXPECT_LE(f.full.rel_l2 * (outliers == 10.0 ? kInt4GainFloorAt10xOutliers : kInt4Gain), f.naive.rel_l2)
+              << where;
           EXPECT_GE(f.full.cosine, kInt4Cosine) << where;
           break;
         case PageFormat::kInt8:
-          EXPECT_LE(f.full.rel_l2 * kInt8GainFloor, f.naive.rel_l2) << where;
+          EXPECT_LE(f.full.rel_l2 * (outliers == 10.0 ? kInt8GainFloorAt10xOutliers : kInt8Gain), f.naive.rel_l2)
+              << where;
           EXPECT_GE(f.full.cosine, kInt8Cosine) << where;
           break;
         case PageFormat::kBf16:

@@ -27,7 +27,7 @@ Kv MakeKv(int64_t n, int heads, int d, uint64_t seed) {
   for (size_t i = 0; i < kv.k.size(); ++i) {
     const int c = static_cast<int>(i % d);
     kv.k[i] = static_cast<float>(0.3 * c - 2.0 + t(rng) * (c == 5 ? 30.0 : 1.0 + 0.01 * c));
-    kv.v[i] = static_cast<float>(-0.1 * c + t(rng));
+    kv.v[i] = static_cast<float>(-0.1 * c + t(rng) * (c == 9 ? 20.0 : 1.0));
   }
   return kv;
 }
@@ -49,8 +49,8 @@ TEST(Stats, MeanAndBalanceFollowTheirDefinitions) {
   const KvStats s = ComputeStats(kv.k.data(), kv.v.data(), kv.shape, t);
   const int64_t n_sample = 130;
   for (int h = 0; h < 3; ++h) {
-    double log_sum = 0.0;
-    std::vector<double> range(32, 0.0);
+    double log_sum = 0.0, log_sum_v = 0.0;
+    std::vector<double> range(32, 0.0), rms_v(32, 0.0);
     for (int c = 0; c < 32; ++c) {
       double sum_k = 0.0, sum_v = 0.0;
       for (int64_t i = 0; i < n_sample; ++i) {
@@ -64,13 +64,23 @@ TEST(Stats, MeanAndBalanceFollowTheirDefinitions) {
       for (int64_t i = 0; i < n_sample; ++i) {
         const int64_t tok = i * 517 / n_sample;
         range[c] = std::max(range[c], std::fabs(double(kv.k[(tok * 3 + h) * 32 + c]) - s.mu_k[h * 32 + c]));
+        const double dv = double(kv.v[(tok * 3 + h) * 32 + c]) - s.mu_v[h * 32 + c];
+        rms_v[c] += dv * dv / n_sample;
       }
+      rms_v[c] = std::sqrt(rms_v[c]);
       log_sum += std::log(s.lambda[h * 32 + c]);
+      log_sum_v += std::log(s.lambda_v[h * 32 + c]);
     }
     EXPECT_NEAR(log_sum / 32, 0.0, kStatsTolerance);  // geometric mean 1 per head
     // λ ∝ sqrt(range): the ratio of two channels is the sqrt of their ranges' ratio.
     EXPECT_NEAR(s.lambda[h * 32 + 5] / s.lambda[h * 32 + 0], std::sqrt(range[5] / range[0]), 1e-4);
     EXPECT_GT(s.lambda[h * 32 + 5], 3.0f);  // the outlier channel is balanced hardest
+    // λ_v: the same rule on V's RMS around μ_v.
+    EXPECT_NEAR(log_sum_v / 32, 0.0, kStatsTolerance);
+    for (int c : {0, 3, 9, 31}) {
+      EXPECT_NEAR(s.lambda_v[h * 32 + c] / s.lambda_v[h * 32 + 1], std::sqrt(rms_v[c] / rms_v[1]), 1e-4) << c;
+    }
+    EXPECT_GT(s.lambda_v[h * 32 + 9], 3.0f);
   }
 }
 
@@ -82,10 +92,12 @@ TEST(Stats, SwitchesGiveZeroMeansAndUnitBalance) {
   for (float m : s.mu_k) EXPECT_EQ(m, 0.0f);
   for (float m : s.mu_v) EXPECT_EQ(m, 0.0f);
   EXPECT_NE(s.lambda[0], 1.0f);
+  EXPECT_NE(s.lambda_v[0], 1.0f);  // balancing alone: ranges around 0
   t.smooth = true;
   t.balance = false;
   s = ComputeStats(kv.k.data(), kv.v.data(), kv.shape, t);
   for (float l : s.lambda) EXPECT_EQ(l, 1.0f);
+  for (float l : s.lambda_v) EXPECT_EQ(l, 1.0f);
   EXPECT_NE(s.mu_k[0], 0.0f);
 }
 
@@ -115,6 +127,7 @@ TEST(Stats, AreTheSameForAnyThreadCount) {
   EXPECT_EQ(one.mu_k, three.mu_k);
   EXPECT_EQ(one.mu_v, three.mu_v);
   EXPECT_EQ(one.lambda, three.lambda);
+  EXPECT_EQ(one.lambda_v, three.lambda_v);
 }
 
 }  // namespace

@@ -64,7 +64,9 @@ bool AllFinite(const std::vector<float>& v) {
 const char kEvalUsage[] =
     "usage: kvpack-eval (--q Q.npy --k K.npy --v V.npy | --synthetic N:H:d[:outlier_scale] [--queries M] [--seed S])\n"
     "                   [--format int4|int8|bf16] [--no-rotate] [--no-smooth] [--no-balance] [--scale S] [--threads T]\n"
-    "Prints one JSON object: rel_l2 and cosine of packed attention vs FP64 unquantized attention.\n";
+    "Prints one JSON object: rel_l2 and cosine of packed attention vs FP64 unquantized attention.\n"
+    "--no-rotate, --no-smooth, --no-balance switch off the format's transforms (balance: K and V channel\n"
+    "balancing, lambda and lambda_v); all three off is naive per-row quantization.\n";
 
 bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::string* error) {
   int64_t queries = -1;

@@ -5,6 +5,8 @@
 //               [--no-balance] [--scale S] [--threads T]
 //   kvpack-eval --synthetic N:H:d[:outlier_scale] [--queries M] [--seed S] [same options]
 //
+// --no-balance switches off both channel balancings (λ of K, λ_v of V); with all three --no-* flags
+// the format is naive per-row quantization.
 // Arrays are float32 C-order .npy of shape [N, H, d]; Q may have another N. Every query sees every
 // key (sequence id 0, not causal). Exit codes: 0 success, 2 bad arguments or input files (message on
 // stderr), 1 an internal failure.
