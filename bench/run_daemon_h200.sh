@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The daemon on the H200, from a bundle built elsewhere (shared/tools/bundle-binaries): the CUDA
-# daemon test, then one layer through kvpackd with CUDA IPC input and output next to the same layer
+# kernel and daemon tests, then one layer through kvpackd with CUDA IPC input and output next to the same layer
 # called directly (bench_layer), at N = 32768 and the H3 shape. Prints a table last; logs in $OUT.
 #   bench/run_daemon_h200.sh BUNDLE_DIR
 set -uo pipefail
@@ -11,6 +11,11 @@ export KVPACKD="$B/bin/kvpackd"
 export LD_LIBRARY_PATH="$B/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } | tee "$OUT/daemon_summary.txt"
 
+if [ -x "$B/bin/cuda_layer_test" ]; then
+  "$B/bin/cuda_layer_test" >"$OUT/cuda_layer_test.log" 2>&1
+  echo "cuda_layer_test exit $? :: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/cuda_layer_test.log" | tr '\n' ' ')" \
+    | tee -a "$OUT/daemon_summary.txt"
+fi
 "$B/bin/cuda_daemon_test" >"$OUT/cuda_daemon_test.log" 2>&1
 echo "cuda_daemon_test exit $? :: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/cuda_daemon_test.log" | tr '\n' ' ')" \
   | tee -a "$OUT/daemon_summary.txt"
