@@ -7,17 +7,14 @@
 
 namespace kvpack::server {
 
-DeviceIoLayout MakeDeviceIoLayout(const LayerConfig& config) {
-  const auto align = [](uint64_t v) { return (v + 255) / 256 * 256; };
-  const uint64_t n = static_cast<uint64_t>(config.shape.n_tokens);
-  DeviceIoLayout io;
-  io.x_bytes = n * static_cast<uint64_t>(config.shape.hidden) * 2;
-  io.positions_offset = align(io.x_bytes);
-  io.positions_bytes = config.rope.layout != RopeLayout::kNone ? n * static_cast<uint64_t>(config.rope.n_axes) * 4 : 0;
-  io.out_bytes = n * static_cast<uint64_t>(config.shape.HeadCols()) * 2;
-  io.out_offset = config.in_place ? io.x_offset : align(io.positions_offset + io.positions_bytes);
-  io.total_bytes = config.in_place ? align(io.positions_offset + io.positions_bytes) : align(io.out_offset + io.out_bytes);
-  return io;
+uint64_t HostStagingBytes(const LayerConfig& config, const TensorResidency& resident) {
+  const LayerShape& s = config.shape;
+  uint64_t bytes = resident.x ? 0 : PoolBytes(2ull * s.n_tokens * s.hidden);
+  if (config.rope.layout != RopeLayout::kNone && !resident.positions) {
+    bytes += PoolBytes(4ull * s.n_tokens * config.rope.n_axes);
+  }
+  if (!config.in_place && !resident.out) bytes += PoolBytes(2ull * s.n_tokens * s.HeadCols());
+  return bytes;
 }
 
 absl::StatusOr<BackendKind> ParseBackendKind(const std::string& text) {
@@ -31,7 +28,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& optio
   if (options.kind != BackendKind::kCpu) {
 #if defined(KVPACK_HAVE_CUDA_BACKEND)
     std::string why;
-    std::unique_ptr<Backend> cuda = MakeCudaBackend(&why);
+    std::unique_ptr<Backend> cuda = MakeCudaBackend(CudaBackendOptions{}, &why);
     if (cuda != nullptr) {
       *note = "CUDA backend";
       return cuda;

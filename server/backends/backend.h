@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/layer_spec.h"
+#include "server/core/layer_request.h"
 #include "server/core/pool.h"
 
 namespace kvpack::server {
@@ -47,7 +48,7 @@ class Backend {
   virtual uint64_t WorkspaceBytes(const LayerConfig& config) const = 0;
   // Pool bytes for device copies of x, positions and the output (0 when the backend reads host
   // memory directly, as the CPU backend does).
-  virtual uint64_t IoBytes(const LayerConfig& config) const = 0;
+  virtual uint64_t IoBytes(const LayerConfig& config, const TensorResidency& resident) const = 0;
 
   // REQUIRES: Supported(config).ok(); kv has KvBytes, workspace WorkspaceBytes bytes (pool memory).
   virtual absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv,
@@ -82,16 +83,11 @@ class Backend {
   virtual bool Healthy() const { return true; }
 };
 
-// Where the device copies of a layer's host tensors sit inside its I/O block (backends that do not
-// read host memory answer IoBytes with DeviceIoLayout(config).total_bytes): x [N, D] bf16, positions
-// [N, axes] f32 (with RoPE), the output [N, H·d] bf16 (unless in place over x), 256-byte aligned.
-struct DeviceIoLayout {
-  uint64_t x_offset = 0, x_bytes = 0;
-  uint64_t positions_offset = 0, positions_bytes = 0;
-  uint64_t out_offset = 0, out_bytes = 0;
-  uint64_t total_bytes = 0;
-};
-DeviceIoLayout MakeDeviceIoLayout(const LayerConfig& config);
+// Pool bytes a backend that cannot read host memory needs to stage a layer's host-resident tensors
+// (x [N, D] bf16, RoPE positions [N, axes] f32, the output [N, H·d] bf16 unless in place), each
+// rounded to the pool granule; tensors in `resident` (CUDA IPC regions) need none. The engine stages
+// them in this order (Engine::StageOnDevice).
+uint64_t HostStagingBytes(const LayerConfig& config, const TensorResidency& resident);
 
 enum class BackendKind { kAuto, kCpu, kCuda };
 absl::StatusOr<BackendKind> ParseBackendKind(const std::string& text);
@@ -106,12 +102,11 @@ struct BackendOptions {
 //
 // The CUDA seam: server/backends/cuda_backend.{h,cc} (compiled when that file and the kvpack_cuda
 // target exist, which defines KVPACK_HAVE_CUDA_BACKEND) provides
-//   std::unique_ptr<Backend> MakeCudaBackend(std::string* why_not);  // null when no device answers
-// with ReadsHostMemory() false, IoBytes() covering device copies of x, positions and the output,
-// a VMM-backed Arena, OpenIpcRegion, QueryDeviceMemory and a sticky Healthy(). The engine's run path
-// for backends that do not read host memory stages inline and shm tensors through the I/O block
-// (MakeDeviceIoLayout) with CopyToPool/CopyFromPool; tests/server/service/engine_test.cc runs it on a
-// CPU backend dressed as a device.
+//   std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions&, std::string* why_not);
+// with ReadsHostMemory() false, IoBytes() = HostStagingBytes, a VMM-backed Arena, OpenIpcRegion,
+// QueryDeviceMemory and a sticky Healthy(). The engine stages inline and shm tensors through the pool
+// with CopyToPool/CopyFromPool; tests/server/service/engine_test.cc runs that path on a CPU backend
+// dressed as a device, tests/server/service/cuda_daemon_test.cc on the GPU.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options, std::string* note);
 
 }  // namespace kvpack::server

@@ -17,7 +17,7 @@ class CpuBackend final : public Backend {
   absl::Status Supported(const LayerConfig& config) const override { return ToStatus(cpu::Supported(config)); }
   uint64_t KvBytes(const LayerConfig& config) const override { return cpu::KvBytes(config); }
   uint64_t WorkspaceBytes(const LayerConfig& config) const override { return cpu::WorkspaceBytes(config); }
-  uint64_t IoBytes(const LayerConfig&) const override { return 0; }
+  uint64_t IoBytes(const LayerConfig&, const TensorResidency&) const override { return 0; }
 
   absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
                          const CancelFn& cancel) override {

@@ -16,6 +16,14 @@ struct RangeRequest {
   std::vector<PageFormat> allowed;  // best first; never empty after conversion
 };
 
+// Which tensors of a request already sit in the backend's memory (CUDA IPC regions on the GPU
+// backend). The others are host memory that a GPU backend stages through the pool (IoBytes).
+struct TensorResidency {
+  bool x = false;
+  bool positions = false;
+  bool out = false;
+};
+
 struct LayerRequest {
   LayerShape shape;
   std::vector<RangeRequest> ranges;
@@ -25,6 +33,7 @@ struct LayerRequest {
   AttentionOptions attention;
   bool has_bias = false;
   bool in_place = false;
+  TensorResidency resident;
   int64_t max_chunk = 0;  // cap on Tp and Tq (tokens); 0: none. Smaller chunks cancel sooner.
 };
 

@@ -77,7 +77,7 @@ class Evaluator {
     Evaluation e;
     e.kv = PoolBytes(kv_raw_);
     e.workspace = PoolBytes(costs_.workspace_bytes(config));
-    e.io = costs_.io_bytes ? PoolBytes(costs_.io_bytes(config)) : 0;
+    e.io = costs_.io_bytes ? PoolBytes(costs_.io_bytes(config, request_.resident)) : 0;
     return e;
   }
 

@@ -32,7 +32,7 @@ struct PlannerCosts {
   std::function<absl::Status(const LayerConfig&)> supported;  // null: everything is supported
   std::function<uint64_t(const LayerConfig&)> kv_bytes;
   std::function<uint64_t(const LayerConfig&)> workspace_bytes;
-  std::function<uint64_t(const LayerConfig&)> io_bytes;        // null: 0
+  std::function<uint64_t(const LayerConfig&, const TensorResidency&)> io_bytes;  // null: 0
 };
 
 struct RangePlan {

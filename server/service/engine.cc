@@ -56,7 +56,7 @@ PlannerCosts Engine::Costs() const {
   costs.supported = [b](const LayerConfig& c) { return b->Supported(c); };
   costs.kv_bytes = [this](const LayerConfig& c) { return CachedKvBytes(c); };
   costs.workspace_bytes = [b](const LayerConfig& c) { return b->WorkspaceBytes(c); };
-  costs.io_bytes = [b](const LayerConfig& c) { return b->IoBytes(c); };
+  costs.io_bytes = [b](const LayerConfig& c, const TensorResidency& r) { return b->IoBytes(c, r); };
   return costs;
 }
 
@@ -212,6 +212,49 @@ void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reserva
   job->done(std::move(status));
 }
 
+// Device copies of the tensors a GPU backend cannot read where they are: inline uploads and
+// shared-memory regions (host memory). Tensors in CUDA IPC regions are used in place, copying
+// nothing. The copies come from the request's reservation (the plan's io bytes); with an output
+// that is not on the device, *host_out says where RunLocked copies it back.
+absl::Status Engine::StageOnDevice(LayerJob& job, Pool::Reservation& reservation, LayerTensors* tensors,
+                                   Pool::Lease* io, uint16_t** host_out) {
+  const LayerConfig& config = job.plan.config;
+  const uint64_t x_bytes = 2ull * config.shape.n_tokens * config.shape.hidden;
+  const uint64_t positions_bytes =
+      tensors->positions != nullptr ? 4ull * config.shape.n_tokens * config.rope.n_axes : 0;
+  const uint64_t out_bytes = 2ull * config.shape.n_tokens * config.shape.HeadCols();
+  const bool writes_out = job.mode != LayerMode::kProject;
+  const bool stage_x = !job.resident.x;
+  const bool stage_positions = positions_bytes > 0 && !job.resident.positions;
+  const bool stage_out = writes_out && !config.in_place && !job.resident.out;
+  const uint64_t bytes = (stage_x ? PoolBytes(x_bytes) : 0) + (stage_positions ? PoolBytes(positions_bytes) : 0) +
+                         (stage_out ? PoolBytes(out_bytes) : 0);
+  if (bytes == 0) return absl::OkStatus();
+  absl::StatusOr<Pool::Lease> lease = pool_->Allocate({bytes, PoolState::kWorkspace, job.tenant, {}}, &reservation);
+  if (!lease.ok()) return lease.status();
+  *io = std::move(*lease);
+  uint8_t* at = io->data();
+  if (stage_x) {
+    if (absl::Status s = backend_->CopyToPool(at, tensors->x, x_bytes); !s.ok()) return s;
+    if (writes_out && config.in_place) {
+      *host_out = tensors->out;  // == the host x
+      tensors->out = reinterpret_cast<uint16_t*>(at);
+    }
+    tensors->x = reinterpret_cast<const uint16_t*>(at);
+    at += PoolBytes(x_bytes);
+  }
+  if (stage_positions) {
+    if (absl::Status s = backend_->CopyToPool(at, tensors->positions, positions_bytes); !s.ok()) return s;
+    tensors->positions = reinterpret_cast<const float*>(at);
+    at += PoolBytes(positions_bytes);
+  }
+  if (stage_out) {
+    *host_out = tensors->out;
+    tensors->out = reinterpret_cast<uint16_t*>(at);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   const absl::Time start = clock_->Now();
   job.queue_seconds = absl::ToDoubleSeconds(start - job.submitted);
@@ -231,6 +274,13 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   tensors.bias = w.has_bias ? reinterpret_cast<const float*>(wbase + w.bias_offset()) : nullptr;
   tensors.q_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.q_norm_offset()) : nullptr;
   tensors.k_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.k_norm_offset()) : nullptr;
+  Pool::Lease io_lease;
+  uint16_t* host_out = nullptr;  // where a staged output goes back to
+  if (!backend_->ReadsHostMemory()) {
+    const absl::Time t0 = clock_->Now();
+    if (absl::Status s = StageOnDevice(job, reservation, &tensors, &io_lease, &host_out); !s.ok()) return s;
+    job.transfer_seconds += absl::ToDoubleSeconds(clock_->Now() - t0);
+  }
 
   // Memory, all from the reservation (the plan's peak).
   Pool::Lease kv_lease;
@@ -251,36 +301,6 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     if (!lease.ok()) return lease.status();
     ws_lease = std::move(*lease);
   }
-  // Device copies of host tensors for backends that cannot read host memory (plan.io_bytes).
-  Pool::Lease io_lease;
-  const bool staged = !backend_->ReadsHostMemory() && !job.tensors_on_device;
-  DeviceIoLayout io;
-  if (job.plan.io_bytes > 0) {
-    absl::StatusOr<Pool::Lease> lease =
-        pool_->Allocate({job.plan.io_bytes, PoolState::kWorkspace, job.tenant, {}}, &reservation);
-    if (!lease.ok()) return lease.status();
-    io_lease = std::move(*lease);
-  }
-  if (staged) {
-    io = MakeDeviceIoLayout(config);
-    if (io.total_bytes > io_lease.bytes()) {
-      return absl::InternalError(absl::StrCat("the ", backend_->name(), " backend's IoBytes (", io_lease.bytes(),
-                                              ") is smaller than the device I/O layout (", io.total_bytes, ")"));
-    }
-    const absl::Time t0 = clock_->Now();
-    uint8_t* base = io_lease.data();
-    if (absl::Status s = backend_->CopyToPool(base + io.x_offset, job.tensors.x, io.x_bytes); !s.ok()) return s;
-    tensors.x = reinterpret_cast<const uint16_t*>(base + io.x_offset);
-    if (io.positions_bytes > 0) {
-      if (absl::Status s = backend_->CopyToPool(base + io.positions_offset, job.tensors.positions, io.positions_bytes);
-          !s.ok()) {
-        return s;
-      }
-      tensors.positions = reinterpret_cast<const float*>(base + io.positions_offset);
-    }
-    tensors.out = reinterpret_cast<uint16_t*>(base + io.out_offset);
-    job.transfer_seconds += absl::ToDoubleSeconds(clock_->Now() - t0);
-  }
   job.peak_bytes = kv_lease.bytes() + ws_lease.bytes() + io_lease.bytes();
 
   if (job.mode != LayerMode::kAttend) {
@@ -298,12 +318,14 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     if (absl::Status s = backend_->AttendLayer(config, tensors, kv, ws_lease.data(), cancel); !s.ok()) return s;
     job.attend_seconds = absl::ToDoubleSeconds(clock_->Now() - t0);
     metrics_->ObserveStage(Stage::kAttend, job.attend_seconds);
-    if (staged && job.tensors.out != nullptr) {
-      const absl::Time t1 = clock_->Now();
-      if (absl::Status s = backend_->CopyFromPool(job.tensors.out, tensors.out, io.out_bytes); !s.ok()) return s;
-      job.transfer_seconds += absl::ToDoubleSeconds(clock_->Now() - t1);
-    }
   }
+  if (host_out != nullptr) {
+    const absl::Time t0 = clock_->Now();
+    const uint64_t out_bytes = 2ull * config.shape.n_tokens * config.shape.HeadCols();
+    if (absl::Status s = backend_->CopyFromPool(host_out, tensors.out, out_bytes); !s.ok()) return s;
+    job.transfer_seconds += absl::ToDoubleSeconds(clock_->Now() - t0);
+  }
+  if (io_lease.bytes() > 0) metrics_->ObserveStage(Stage::kTransfer, job.transfer_seconds);
   metrics_->ObservePeakBytes(job.peak_bytes);
   ws_lease.Release();
   io_lease.Release();

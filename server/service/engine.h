@@ -55,7 +55,9 @@ struct LayerJob {
   std::shared_ptr<KvEntry> kv_in;     // kAttend
   bool keep_kv = false;
   LayerTensors tensors;               // x, positions, out set by the service
-  bool tensors_on_device = false;     // x, positions and out are device memory (CUDA IPC regions)
+  // Which of them already sit in device memory (CUDA IPC regions); the others are host memory
+  // (inline buffers, shared-memory regions) and are staged through the pool on a GPU backend.
+  TensorResidency resident;
   uint64_t out_bytes = 0;
   std::vector<RegionUse> regions;     // keeps mapped regions alive for the job
   std::unique_ptr<uint8_t[]> x_buf;   // inline inputs and output (host)
@@ -114,6 +116,8 @@ class Engine {
   // every page of every head costs ~1 ms at N = 152k, H = 56.
   uint64_t CachedKvBytes(const LayerConfig& config) const;
   void Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reservation);
+  absl::Status StageOnDevice(LayerJob& job, Pool::Reservation& reservation, LayerTensors* tensors, Pool::Lease* io,
+                             uint16_t** host_out);
   absl::Status RunLocked(LayerJob& job, Pool::Reservation& reservation);
   // The quota share of an admitted job: its tenant's pool bytes plus the peaks of its other
   // admitted jobs plus this one stay within --tenant_quota (conservative: a running job's

@@ -143,6 +143,15 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       return absl::InvalidArgumentError(absl::StrCat("header.kv_handle: only Attend takes a K/V handle, not ", method_));
     }
 
+    // Tensors in CUDA IPC regions are device memory: the plan reserves no staging copies for them.
+    const v1::OutputSpec& output = header.output();
+    request->resident.x = InDeviceRegion(header.x());
+    request->resident.positions = InDeviceRegion(header.positions());
+    request->resident.out = mode_ == LayerMode::kProject ||
+                            (output.mode() == v1::OUTPUT_REGION && InDeviceRegion(output.region().region_id())) ||
+                            (output.mode() == v1::OUTPUT_IN_PLACE && request->resident.x);
+    job->resident = request->resident;
+
     absl::StatusOr<LayerPlan> plan = engine.Plan(tenant_, *request, job->kv_in.get());
     if (!plan.ok()) return plan.status();
     if (!plan->fits) return absl::ResourceExhaustedError(plan->reason);
@@ -189,7 +198,6 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     } else {
       switch (out_mode) {
         case v1::OUTPUT_INLINE:
-          ++host_refs_;
           job->out_buf.reset(new uint8_t[out_size]);
           job->tensors.out = reinterpret_cast<uint16_t*>(job->out_buf.get());
           out_inline_ = job->out_buf.get();
@@ -209,7 +217,6 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
           absl::StatusOr<uint8_t*> p = use->get()->Slice(slice.offset(), out_size, "header.output.region");
           if (!p.ok()) return p.status();
           job->tensors.out = reinterpret_cast<uint16_t*>(*p);
-          (use->get()->kind() == RegionKind::kCudaIpc ? device_refs_ : host_refs_)++;
           job->regions.push_back(std::move(*use));
           break;
         }
@@ -219,13 +226,6 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
           return absl::InvalidArgumentError(absl::StrCat("header.output.mode = ", out_mode, " is not known"));
       }
     }
-    // Device memory (CUDA IPC regions) is used in place; host tensors are staged through the I/O
-    // block. One layer does one or the other.
-    if (device_refs_ > 0 && host_refs_ > 0) {
-      return absl::FailedPreconditionError(
-          "header: x, positions and the output must all be in CUDA IPC regions, or none of them");
-    }
-    job->tensors_on_device = device_refs_ > 0;
     std::lock_guard<std::mutex> lock(mu_);
     job_ = std::move(job);
     return absl::OkStatus();
@@ -256,6 +256,16 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     return absl::OkStatus();
   }
 
+  // Whether `region_id` names one of this tenant's CUDA IPC regions (device memory, used in place).
+  // An unknown id is answered later, where the tensor is bound, with the field named.
+  bool InDeviceRegion(const std::string& region_id) const {
+    absl::StatusOr<RegionUse> use = service_->engine().registry().UseRegion(tenant_, region_id, "");
+    return use.ok() && use->get()->kind() == RegionKind::kCudaIpc;
+  }
+  bool InDeviceRegion(const v1::TensorRef& ref) const {
+    return ref.location_case() == v1::TensorRef::kRegion && InDeviceRegion(ref.region().region_id());
+  }
+
   absl::Status Bind(const v1::TensorRef& ref, Input* input, LayerJob* job, bool required) {
     switch (ref.location_case()) {
       case v1::TensorRef::LOCATION_NOT_SET:
@@ -266,7 +276,6 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
                                                          ", expected ", input->size));
         }
         input->is_inline = true;
-        ++host_refs_;
         return absl::OkStatus();
       case v1::TensorRef::kRegion: {
         const v1::RegionSlice& slice = ref.region();
@@ -283,7 +292,6 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
           return absl::InvalidArgumentError(absl::StrCat(field, ".offset = ", slice.offset(), " is not 4-byte aligned"));
         }
         input->data = *p;
-        (use->get()->kind() == RegionKind::kCudaIpc ? device_refs_ : host_refs_)++;
         job->regions.push_back(std::move(*use));
         return absl::OkStatus();
       }
@@ -411,7 +419,6 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
   bool have_header_ = false;
   Input x_, positions_;
   uint8_t* out_inline_ = nullptr;
-  int device_refs_ = 0, host_refs_ = 0;  // tensors in CUDA IPC regions / in host memory
   uint64_t sent_ = 0;
   absl::Time header_start_, download_start_;
   double upload_seconds_ = 0;

@@ -2,13 +2,14 @@
 
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/family.h>
 #include <prometheus/histogram.h>
 #include <prometheus/metric_family.h>
 #include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
 
 #include <exception>
+#include <sstream>
 #include <utility>
 #include <vector>
 
@@ -124,15 +125,19 @@ Metrics::Metrics(std::string version, std::string backend, std::function<GaugeVa
 Metrics::~Metrics() = default;
 
 absl::StatusOr<int> Metrics::Serve(const std::string& address) {
-  try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/1);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("--metrics_address=", address, ": ", e.what()));
-  }
-  exposer_->RegisterCollectable(registry_);
-  exposer_->RegisterCollectable(gauges_);
-  const std::vector<int> ports = exposer_->GetListeningPorts();
-  return ports.empty() ? 0 : ports.front();
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> server =
+      MetricsHttpServer::Start(address, [this] { return Render(); });
+  if (!server.ok()) return server.status();
+  http_ = std::move(*server);
+  return http_->port();
+}
+
+std::string Metrics::Render() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (prometheus::MetricFamily& f : gauges_->Collect()) families.push_back(std::move(f));
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, families);
+  return out.str();
 }
 
 void Metrics::RecordRequest(const std::string& method, const char* code) {

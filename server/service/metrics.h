@@ -16,10 +16,10 @@
 #include "absl/status/status.h"
 #include "kernels/format.h"
 #include "server/core/pool.h"
+#include "server/service/metrics_http.h"
 
 namespace prometheus {
 class Counter;
-class Exposer;
 class Histogram;
 class Registry;
 template <typename T>
@@ -60,11 +60,14 @@ class Metrics {
   void AddTokens(PageFormat format, uint64_t tokens);
   void AddDowngrades(uint64_t ranges);
 
+  // The exposition text of every family (what GET /metrics answers).
+  std::string Render() const;
+
  private:
   class GaugeCollectable;
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<GaugeCollectable> gauges_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::unique_ptr<MetricsHttpServer> http_;
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
   std::array<prometheus::Histogram*, 4> stages_{};
   prometheus::Histogram* peak_ = nullptr;

@@ -171,7 +171,7 @@ TEST(Planner, MaxChunkCapsChunks) {
 
 TEST(Planner, IoBytesCount) {
   PlannerCosts costs = TestCosts();
-  costs.io_bytes = [](const LayerConfig& c) { return static_cast<uint64_t>(c.shape.n_tokens) * c.shape.hidden * 4; };
+  costs.io_bytes = [](const LayerConfig& c, const TensorResidency&) { return static_cast<uint64_t>(c.shape.n_tokens) * c.shape.hidden * 4; };
   absl::StatusOr<LayerPlan> p = PlanLayer(ThreeRanges(), 1ull << 40, costs);
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->io_bytes, PoolBytes(3000ull * 256 * 4));

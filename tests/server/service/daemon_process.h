@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -39,7 +40,9 @@ class DaemonProcess {
       dup2(out[1], STDOUT_FILENO);
       close(out[0]);
       close(out[1]);
-      std::vector<std::string> args = {KVPACKD_PATH, "--listen=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+      // $KVPACKD overrides the build-time path (a bundle copied to a GPU host).
+      const char* binary = getenv("KVPACKD") != nullptr ? getenv("KVPACKD") : KVPACKD_PATH;
+      std::vector<std::string> args = {binary, "--listen=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
                                        "--cpu_threads=1"};
       args.insert(args.end(), flags.begin(), flags.end());
       std::vector<char*> argv;

@@ -23,7 +23,7 @@ class FakeDeviceBackend final : public Backend {
   absl::Status Supported(const LayerConfig& c) const override { return cpu_->Supported(c); }
   uint64_t KvBytes(const LayerConfig& c) const override { return cpu_->KvBytes(c); }
   uint64_t WorkspaceBytes(const LayerConfig& c) const override { return cpu_->WorkspaceBytes(c); }
-  uint64_t IoBytes(const LayerConfig& c) const override { return MakeDeviceIoLayout(c).total_bytes; }
+  uint64_t IoBytes(const LayerConfig& c, const TensorResidency& r) const override { return HostStagingBytes(c, r); }
   absl::Status ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* ws,
                          const CancelFn& cancel) override {
     ++project_calls;
@@ -159,12 +159,14 @@ TEST(Engine, StagesHostTensorsForDeviceBackends) {
   ASSERT_TRUE(staged.status.ok()) << staged.status;
   ASSERT_TRUE(direct.status.ok()) << direct.status;
   EXPECT_TRUE(staged.out == direct.out);
-  const DeviceIoLayout io = MakeDeviceIoLayout(staged.plan.config);
-  EXPECT_EQ(staged.plan.io_bytes, PoolBytes(io.total_bytes));
+  const LayerShape& shape = staged.plan.config.shape;
+  const uint64_t x_bytes = 2ull * shape.n_tokens * shape.hidden, positions_bytes = 4ull * L.positions.size(),
+                 out_bytes = 2ull * shape.n_tokens * shape.HeadCols();
+  EXPECT_EQ(staged.plan.io_bytes, PoolBytes(x_bytes) + PoolBytes(positions_bytes) + PoolBytes(out_bytes));
   EXPECT_EQ(staged.peak, staged.plan.peak_bytes);
   EXPECT_EQ(staged.peak, direct.peak + staged.plan.io_bytes);
-  EXPECT_EQ(fake->copied_in, io.x_bytes + io.positions_bytes);
-  EXPECT_EQ(fake->copied_out, io.out_bytes);
+  EXPECT_EQ(fake->copied_in, x_bytes + positions_bytes);
+  EXPECT_EQ(fake->copied_out, out_bytes);
   EXPECT_NE(fake->last_out, nullptr);
   EXPECT_EQ(engine.pool().Snapshot().high_water, testing::WeightsPoolBytes(L) + staged.peak);
   EXPECT_EQ(engine.pool().Snapshot().allocated, 0u);

@@ -1,0 +1,201 @@
+#include "server/backends/cuda_backend.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+
+#include "kernels/cuda/layer.h"
+#include "server/backends/vmm_arena.h"
+#include "server/core/error_status.h"
+
+namespace kvpack::server {
+namespace {
+
+absl::Status CudaStatus(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+class MallocArena final : public Arena {
+ public:
+  void* Allocate(uint64_t bytes) override {
+    void* ptr = nullptr;
+    if (cudaMalloc(&ptr, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    mapped_ += bytes;
+    return ptr;
+  }
+  void Free(void* ptr, uint64_t bytes) override {
+    cudaFree(ptr);
+    mapped_ -= bytes;
+  }
+  uint64_t MappedBytes() const override { return mapped_.load(); }
+
+ private:
+  std::atomic<uint64_t> mapped_{0};
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const CudaBackendOptions& options, cudaStream_t stream, cublasLtHandle_t blas)
+      : options_(options), stream_(stream), blas_(blas) {}
+
+  ~CudaBackend() override {
+    cublasLtDestroy(blas_);
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda"; }
+
+  absl::Status Supported(const LayerConfig& config) const override { return ToStatus(cuda::Supported(config)); }
+  uint64_t KvBytes(const LayerConfig& config) const override { return cuda::KvBytes(config); }
+  uint64_t WorkspaceBytes(const LayerConfig& config) const override { return cuda::WorkspaceBytes(config); }
+
+  // Device copies of x (read by the projection and overwritten in place), RoPE positions and, when
+  // not in place, the output.
+  uint64_t IoBytes(const LayerConfig& config, const TensorResidency& resident) const override {
+    return HostStagingBytes(config, resident);
+  }
+
+  absl::StatusOr<IpcMapping> OpenIpcRegion(const std::string& handle, int device, uint64_t size) override {
+    if (device != options_.device) {
+      return absl::FailedPreconditionError("device: the region is on CUDA device " + std::to_string(device) +
+                                           "; this daemon serves device " + std::to_string(options_.device));
+    }
+    cudaIpcMemHandle_t h;
+    if (handle.size() != sizeof(h)) return absl::InvalidArgumentError("cuda_ipc_handle: not a cudaIpcMemHandle_t");
+    std::memcpy(&h, handle.data(), sizeof(h));
+    void* base = nullptr;
+    if (cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+      cudaGetLastError();  // not sticky: a bad handle is the caller's error
+      return absl::InvalidArgumentError(std::string("cuda_ipc_handle: cudaIpcOpenMemHandle: ") + cudaGetErrorString(e));
+    }
+    (void)size;  // the exporter's allocation size is not queryable; the service bounds-checks against `size`
+    IpcMapping mapping;
+    mapping.base = static_cast<uint8_t*>(base);
+    mapping.close = [](uint8_t* ptr, uint64_t) { cudaIpcCloseMemHandle(ptr); };
+    return mapping;
+  }
+
+  absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
+                         const CancelFn& cancel) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return Finish(cuda::ProjectKv(config, tensors, kv, workspace, Context(), cancel));
+  }
+
+  absl::Status AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
+                           uint8_t* workspace, const CancelFn& cancel) override {
+    const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
+    const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
+    std::lock_guard<std::mutex> lock(mu_);
+    return Finish(cuda::AttendLayer(config, tensors, view, workspace, Context(), cancel));
+  }
+
+  // The VMM arena; plain cudaMalloc per allocation where the driver has no VMM support.
+  std::unique_ptr<Arena> CreateArena() override {
+    std::string why;
+    VmmArenaOptions vmm{options_.device, options_.reserve_bytes, options_.keep_mapped_bytes};
+    if (std::unique_ptr<Arena> arena = MakeVmmArena(vmm, &why)) return arena;
+    return std::make_unique<MallocArena>();
+  }
+
+  absl::Status CopyToPool(void* dst, const void* src, uint64_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    return Sticky(CudaStatus(e, "copy to device"));
+  }
+
+  absl::Status CopyFromPool(void* dst, const void* src, uint64_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    return Sticky(CudaStatus(e, "copy from device"));
+  }
+
+  DeviceMemory QueryDeviceMemory() const override {
+    DeviceMemory m;
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+      m.present = true;
+      m.free_bytes = free_bytes;
+      m.total_bytes = total_bytes;
+    }
+    return m;
+  }
+
+  bool ReadsHostMemory() const override { return false; }
+  bool Healthy() const override { return healthy_.load(); }
+
+ private:
+  cuda::CudaContext Context() const {
+    cuda::CudaContext context;
+    context.stream = stream_;
+    context.blas = blas_;
+    return context;
+  }
+
+  // Waits for the launches of a call so that an error inside a kernel belongs to this request.
+  absl::Status Finish(const Error& error) {
+    if (!error.ok()) return Sticky(ToStatus(error));
+    return Sticky(CudaStatus(cudaStreamSynchronize(stream_), "layer"));
+  }
+
+  absl::Status Sticky(absl::Status status) {
+    if (status.code() == absl::StatusCode::kInternal) healthy_ = false;
+    return status;
+  }
+
+  const CudaBackendOptions options_;
+  cudaStream_t stream_;
+  cublasLtHandle_t blas_;
+  std::mutex mu_;
+  std::atomic<bool> healthy_{true};
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions& options, std::string* why) {
+  int count = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
+    *why = e != cudaSuccess ? cudaGetErrorString(e) : "no CUDA device";
+    cudaGetLastError();
+    return nullptr;
+  }
+  if (options.device >= count) {
+    *why = "device " + std::to_string(options.device) + " of " + std::to_string(count);
+    return nullptr;
+  }
+  cudaDeviceProp prop{};
+  if (cudaSetDevice(options.device) != cudaSuccess ||
+      cudaGetDeviceProperties(&prop, options.device) != cudaSuccess) {
+    *why = "cudaSetDevice failed";
+    return nullptr;
+  }
+  if (prop.major < 9) {
+    *why = std::string(prop.name) + " is compute capability " + std::to_string(prop.major) + "." +
+           std::to_string(prop.minor) + "; the kernels are built for sm_90a";
+    return nullptr;
+  }
+  CudaBackendOptions resolved = options;
+  if (resolved.reserve_bytes == 0) resolved.reserve_bytes = prop.totalGlobalMem;  // address space is cheap
+  cudaStream_t stream = nullptr;
+  cublasLtHandle_t blas = nullptr;
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    *why = "cudaStreamCreate failed";
+    return nullptr;
+  }
+  if (cublasLtCreate(&blas) != CUBLAS_STATUS_SUCCESS) {
+    cudaStreamDestroy(stream);
+    *why = "cublasLtCreate failed";
+    return nullptr;
+  }
+  return std::make_unique<CudaBackend>(resolved, stream, blas);
+}
+
+}  // namespace kvpack::server

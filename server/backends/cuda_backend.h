@@ -1,0 +1,26 @@
+// The CUDA backend: the kernels of kernels/cuda/layer.h on one GPU, its pool in a VMM arena
+// (vmm_arena.h). Inputs and outputs are device memory; the service copies inline and shared-memory
+// tensors into pool memory first (IoBytes says how much the plan must reserve for that).
+//
+// GPU work of all callers is serialised on one stream: the scheduler decides the order. A CUDA
+// error inside a call is sticky: Healthy() turns false and the daemon reports NOT_SERVING.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "server/backends/backend.h"
+
+namespace kvpack::server {
+
+struct CudaBackendOptions {
+  int device = 0;
+  uint64_t reserve_bytes = 0;                  // virtual range for the pool; 0: the device's memory
+  uint64_t keep_mapped_bytes = 256ull << 20;   // idle physical memory kept mapped
+};
+
+// Null, with `why` set, when no device answers (no driver, no GPU) or the device cannot serve.
+std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions& options, std::string* why);
+
+}  // namespace kvpack::server

@@ -1,0 +1,122 @@
+// The real kvpackd on the CUDA backend (label gpu): one layer with inline tensors (staged through the
+// pool) and with x and the output in CUDA IPC regions (used in place, nothing staged), each checked
+// against the CPU reference and the planner's predicted peak. Skips without a CUDA device.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "tests/server/service/daemon_process.h"
+#include "tests/server/service/test_layers.h"
+
+namespace kvpack::testing {
+namespace {
+
+// GPU vs CPU backend on the same plan: cuBLAS sums the projection in another order, so a few
+// bf16-rounded projections and hence codes differ (cuda_layer_test measures 0.001–0.0044).
+constexpr double kGpuVsCpuRelL2 = 2e-2;
+// Bytes in front of x inside its allocation: a region slice at a non-zero offset, as PyTorch's
+// sub-allocations are.
+constexpr uint64_t kOffset = 4096;
+
+bool HaveDevice() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+class CudaDaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: the CUDA daemon test runs on a GPU host";
+    daemon_ = std::make_unique<DaemonProcess>(std::vector<std::string>{"--backend=cuda", "--vram_budget=2Gi"});
+    ASSERT_TRUE(daemon_->ok()) << "kvpackd did not start";
+    c_ = daemon_->Connect();
+    absl::StatusOr<v1::StatusResponse> s = c_->Status();
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_EQ(s->backend(), "cuda") << "kvpackd fell back to the CPU backend";
+    weights_ = c_->RegisterWeights(WeightsOf(layer_));
+    ASSERT_TRUE(weights_.ok()) << weights_.status();
+  }
+
+  // Registers `bytes` of device memory at `ptr`'s allocation as a CUDA IPC region.
+  std::string RegisterIpc(void* allocation, uint64_t bytes) {
+    cudaIpcMemHandle_t handle;
+    EXPECT_EQ(cudaIpcGetMemHandle(&handle, allocation), cudaSuccess);
+    v1::RegisterRegionRequest req;
+    req.set_kind(v1::REGION_CUDA_IPC);
+    req.set_cuda_ipc_handle(std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)));
+    req.set_device(0);
+    req.set_size_bytes(bytes);
+    v1::RegisterRegionResponse resp;
+    grpc::ClientContext ctx;
+    c_->Prepare(&ctx);
+    const grpc::Status st = c_->stub()->RegisterRegion(&ctx, req, &resp);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+    return resp.region_id();
+  }
+
+  void ExpectMatchesReference(const std::vector<uint16_t>& out, const v1::LayerResult& r) {
+    absl::StatusOr<std::vector<uint16_t>> ref = client::ReferenceOutput(layer_, r.plan());
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    const client::Comparison cmp = client::Compare(out, *ref);
+    EXPECT_LT(cmp.rel_l2, kGpuVsCpuRelL2) << "max |err| " << cmp.max_abs;
+  }
+
+  const client::SyntheticLayer layer_ = client::MakeSyntheticLayer(SmallSpec(11));
+  std::unique_ptr<DaemonProcess> daemon_;
+  std::unique_ptr<client::Client> c_;
+  absl::StatusOr<v1::WeightsResponse> weights_;
+};
+
+TEST_F(CudaDaemonTest, InlineTensorsAreStagedThroughThePool) {
+  v1::LayerHeader h = layer_.header;
+  h.set_weights_handle(weights_->handle());
+  std::vector<uint16_t> out;
+  absl::StatusOr<v1::LayerResult> r = c_->AttentionLayer(h, DataOf(layer_, &out));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GT(r->plan().io_bytes(), 0u);
+  EXPECT_EQ(r->peak_bytes(), r->plan().predicted_peak_bytes());
+  ExpectMatchesReference(out, *r);
+  EXPECT_EQ(c_->Status()->pool_bytes(), weights_->pool_bytes());
+}
+
+TEST_F(CudaDaemonTest, CudaIpcInputAndOutputAreUsedInPlace) {
+  const uint64_t x_bytes = layer_.x.size() * 2, out_bytes = layer_.out_bytes();
+  uint8_t* x_alloc = nullptr;
+  uint8_t* out_alloc = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&x_alloc), kOffset + x_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&out_alloc), out_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(x_alloc + kOffset, layer_.x.data(), x_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemset(out_alloc, 0xff, out_bytes), cudaSuccess);  // NaN poison
+  const std::string x_region = RegisterIpc(x_alloc, kOffset + x_bytes);
+  const std::string out_region = RegisterIpc(out_alloc, out_bytes);
+
+  v1::LayerHeader h = layer_.header;
+  h.set_weights_handle(weights_->handle());
+  v1::RegionSlice* xs = h.mutable_x()->mutable_region();
+  xs->set_region_id(x_region);
+  xs->set_offset(kOffset);
+  xs->set_size_bytes(x_bytes);
+  h.mutable_output()->set_mode(v1::OUTPUT_REGION);
+  v1::RegionSlice* os = h.mutable_output()->mutable_region();
+  os->set_region_id(out_region);
+  os->set_size_bytes(out_bytes);
+  client::LayerData data;
+  data.positions = layer_.positions.empty() ? nullptr : layer_.positions.data();  // inline, staged
+  absl::StatusOr<v1::LayerResult> r = c_->AttentionLayer(h, data);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->plan().io_bytes(), server::PoolBytes(layer_.positions.size() * 4)) << "only positions are staged";
+  EXPECT_EQ(r->peak_bytes(), r->plan().predicted_peak_bytes());
+  std::vector<uint16_t> out(out_bytes / 2);
+  ASSERT_EQ(cudaMemcpy(out.data(), out_alloc, out_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  ExpectMatchesReference(out, *r);
+
+  EXPECT_TRUE(c_->UnregisterRegion(x_region).ok());
+  EXPECT_TRUE(c_->UnregisterRegion(out_region).ok());
+  EXPECT_EQ(c_->Status()->pool_bytes(), weights_->pool_bytes());
+  cudaFree(x_alloc);
+  cudaFree(out_alloc);
+}
+
+}  // namespace
+}  // namespace kvpack::testing
