@@ -69,31 +69,34 @@ class Evaluator {
   Evaluator(const LayerRequest& request, const PlannerCosts& costs) : request_(request), costs_(costs) {}
 
   // K/V bytes depend on the formats only, so they are computed once per format assignment (the
-  // backend's KvBytes lays out every page of every head: ~0.1 ms at N = 152k, H = 56).
+  // backend's KvBytes lays out every page of every head: ~0.5 ms at N = 152k, H = 56), or set from
+  // an estimate by SetKv.
   Evaluation Evaluate(const std::vector<PageFormat>& formats, int64_t chunk) {
     const LayerConfig config = MakeLayerConfig(request_, formats, chunk, chunk);
-    if (formats != kv_formats_ || !kv_valid_) {
-      kv_ = PoolBytes(costs_.kv_bytes(config));
-      kv_formats_ = formats;
-      kv_valid_ = true;
-    }
+    if (formats != kv_formats_ || !kv_valid_) SetKv(formats, costs_.kv_bytes(config));
     Evaluation e;
-    e.kv = kv_;
+    e.kv = PoolBytes(kv_raw_);
     e.workspace = PoolBytes(costs_.workspace_bytes(config));
     e.io = costs_.io_bytes ? PoolBytes(costs_.io_bytes(config, request_.resident)) : 0;
     return e;
   }
 
+  void SetKv(const std::vector<PageFormat>& formats, uint64_t raw_bytes) {
+    kv_formats_ = formats;
+    kv_raw_ = raw_bytes;
+    kv_valid_ = true;
+  }
+  uint64_t kv_raw() const { return kv_raw_; }
+
  private:
   const LayerRequest& request_;
   const PlannerCosts& costs_;
   std::vector<PageFormat> kv_formats_;
-  uint64_t kv_ = 0;
+  uint64_t kv_raw_ = 0;
   bool kv_valid_ = false;
 };
 
-// Page bytes saved by storing range `r` in `to` instead of `from` (per head and K or V; the order of
-// downgrades only needs the relative sizes).
+// Page bytes saved by storing range `r` in `to` instead of `from`, per head and per K or V.
 int64_t PageSaving(const RangeRequest& r, PageFormat from, PageFormat to, int head_dim) {
   const int64_t pages = (r.end - r.begin + kPageTokens - 1) / kPageTokens;
   return pages * (static_cast<int64_t>(PageBytes(from, head_dim)) - PageBytes(to, head_dim));
@@ -125,23 +128,43 @@ absl::StatusOr<LayerPlan> PlanLayer(const LayerRequest& request, uint64_t capaci
   }
   Evaluator evaluator(request, costs);
 
-  // 1. Step formats down until the smallest chunk fits (or every range is at its floor).
+  // 1. Step formats down until the smallest chunk fits (or every range is at its floor). Page sizes
+  // are multiples of the 128-byte page alignment (format.h), so a step changes the K/V block of
+  // PlanKvLayout by exactly 2·H·pages·ΔPageBytes: the steps use that arithmetic, and the backend's
+  // KvBytes is asked once more at the end to confirm it. Should the backend disagree, the loop goes
+  // on asking it at every step.
   Evaluation at_smallest = evaluator.Evaluate(formats, smallest);
-  while (at_smallest.peak() > capacity_bytes) {
-    size_t best = n_ranges;
-    int64_t best_saving = 0;
-    for (size_t i = 0; i < n_ranges; ++i) {
-      if (step[i] + 1 >= request.ranges[i].allowed.size()) continue;
-      const int64_t saving =
-          PageSaving(request.ranges[i], formats[i], request.ranges[i].allowed[step[i] + 1], request.shape.head_dim);
-      if (best == n_ranges || saving > best_saving) {
-        best = i;
-        best_saving = saving;
+  const int64_t heads_kv = 2ll * request.shape.n_heads;
+  bool arithmetic = true;
+  bool stepped = false;
+  for (;;) {
+    while (at_smallest.peak() > capacity_bytes) {
+      size_t best = n_ranges;
+      int64_t best_saving = 0;
+      for (size_t i = 0; i < n_ranges; ++i) {
+        if (step[i] + 1 >= request.ranges[i].allowed.size()) continue;
+        const int64_t saving =
+            PageSaving(request.ranges[i], formats[i], request.ranges[i].allowed[step[i] + 1], request.shape.head_dim);
+        if (best == n_ranges || saving > best_saving) {
+          best = i;
+          best_saving = saving;
+        }
       }
+      if (best == n_ranges) break;  // at the floor
+      ++step[best];
+      stepped = true;
+      sync_formats();
+      if (arithmetic) {
+        evaluator.SetKv(formats, evaluator.kv_raw() - static_cast<uint64_t>(best_saving * heads_kv));
+      }
+      at_smallest = evaluator.Evaluate(formats, smallest);
     }
-    if (best == n_ranges) break;  // at the floor
-    ++step[best];
-    sync_formats();
+    if (!arithmetic || !stepped) break;
+    const uint64_t estimate = evaluator.kv_raw();
+    const uint64_t actual = costs.kv_bytes(MakeLayerConfig(request, formats, smallest, smallest));
+    if (actual == estimate) break;
+    arithmetic = false;
+    evaluator.SetKv(formats, actual);
     at_smallest = evaluator.Evaluate(formats, smallest);
   }
 

@@ -107,6 +107,7 @@ void Scheduler::PumpLocked(std::vector<Callback>* callbacks) {
   std::vector<size_t> admitted;
   for (const Ranked& r : ranked) {
     Waiting& w = waiting_[r.index];
+    if (w.job.try_claim && !w.job.try_claim()) continue;  // over its tenant's quota for now
     absl::StatusOr<Pool::Reservation> reservation = pool_->Reserve(w.job.peak_bytes);
     if (reservation.ok()) {
       auto shared = std::make_shared<Pool::Reservation>(std::move(*reservation));
@@ -116,6 +117,7 @@ void Scheduler::PumpLocked(std::vector<Callback>* callbacks) {
       last_admit_[w.job.tenant] = ++admissions_;
       continue;
     }
+    if (w.job.unclaim) w.job.unclaim();
     if (now - w.submitted >= options_.max_bypass) break;  // it starves: hold the line for it
   }
   std::sort(admitted.rbegin(), admitted.rend());

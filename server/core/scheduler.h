@@ -42,6 +42,12 @@ struct Job {
   int priority = 0;
   uint64_t peak_bytes = 0;
   absl::Time deadline = absl::InfiniteFuture();
+  // Optional: claims the job's share of a per-tenant limit (quota) just before its memory is
+  // reserved; false skips the job for now (without holding back other tenants' jobs). When the
+  // memory then cannot be reserved, `unclaim` undoes the claim. Both run under the scheduler's lock
+  // and must not call back into it.
+  std::function<bool()> try_claim;
+  std::function<void()> unclaim;
   // Exactly one of the two is called, once.
   std::function<void(Pool::Reservation)> on_admit;
   std::function<void(absl::Status)> on_reject;

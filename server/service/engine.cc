@@ -108,7 +108,12 @@ void Engine::Submit(std::shared_ptr<LayerJob> job) {
   sj.priority = job->priority;
   sj.peak_bytes = job->plan.peak_bytes;
   sj.deadline = job->deadline;
-  std::weak_ptr<LayerJob> weak = job;
+  if (options_.tenant_quota_bytes > 0) {
+    const std::string tenant = job->tenant;
+    const uint64_t peak = job->plan.peak_bytes;
+    sj.try_claim = [this, tenant, peak] { return TryClaim(tenant, peak); };
+    sj.unclaim = [this, tenant, peak] { Unclaim(tenant, peak); };
+  }
   sj.on_admit = [this, job](Pool::Reservation reservation) {
     auto shared = std::make_shared<Pool::Reservation>(std::move(reservation));
     {
@@ -125,6 +130,25 @@ void Engine::Submit(std::shared_ptr<LayerJob> job) {
     return;
   }
   job->ticket = *ticket;
+}
+
+bool Engine::TryClaim(const std::string& tenant, uint64_t bytes) {
+  const PoolSnapshot s = pool_->Snapshot();
+  auto it = s.by_tenant.find(tenant);
+  const uint64_t held = it == s.by_tenant.end() ? 0 : it->second;
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t& claimed = claimed_[tenant];
+  if (held + claimed + bytes > options_.tenant_quota_bytes && claimed > 0) return false;  // alone, it may run
+  claimed += bytes;
+  return true;
+}
+
+void Engine::Unclaim(const std::string& tenant, uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = claimed_.find(tenant);
+  if (it == claimed_.end()) return;
+  it->second -= bytes;
+  if (it->second == 0) claimed_.erase(it);
 }
 
 void Engine::Cancel(const std::shared_ptr<LayerJob>& job) {
@@ -178,6 +202,7 @@ GaugeValues Engine::Gauges() const {
 
 void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reservation) {
   absl::Status status = RunLocked(*job, reservation);
+  if (options_.tenant_quota_bytes > 0) Unclaim(job->tenant, job->plan.peak_bytes);
   reservation.Release();
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -119,6 +119,11 @@ class Engine {
   absl::Status StageOnDevice(LayerJob& job, Pool::Reservation& reservation, LayerTensors* tensors, Pool::Lease* io,
                              uint16_t** host_out);
   absl::Status RunLocked(LayerJob& job, Pool::Reservation& reservation);
+  // The quota share of an admitted job: its tenant's pool bytes plus the peaks of its other
+  // admitted jobs plus this one stay within --tenant_quota (conservative: a running job's
+  // allocations count in both terms).
+  bool TryClaim(const std::string& tenant, uint64_t bytes);
+  void Unclaim(const std::string& tenant, uint64_t bytes);
 
   const EngineOptions options_;
   const Clock* const clock_;
@@ -132,6 +137,7 @@ class Engine {
   mutable std::map<std::string, uint64_t> kv_cache_;
   mutable std::mutex mu_;
   std::map<std::string, int> running_;  // by tenant
+  std::map<std::string, uint64_t> claimed_;  // by tenant: predicted peaks of admitted jobs (quota)
   int running_total_ = 0;
   std::unique_ptr<Executor> executor_;  // last: joined first on destruction
 };

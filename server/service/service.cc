@@ -22,6 +22,14 @@ absl::Status CheckLimits(const LayerShape& shape, const ServiceLimits& limits) {
     return absl::InvalidArgumentError(
         absl::StrCat("header.shape.n_heads = ", shape.n_heads, " exceeds this daemon's limit of ", limits.max_heads));
   }
+  // The page tables (and planning them) grow with pages × heads; bound them before anything is laid
+  // out (the MiniMax H3 layer has 2,380 pages × 56 heads ≈ 1.3e5).
+  const int64_t pages = shape.n_tokens / kPageTokens + kMaxRanges;
+  if (shape.n_heads > 0 && pages * shape.n_heads > limits.max_page_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("header.shape: ~", pages, " pages x ", shape.n_heads,
+                                                   " heads exceeds this daemon's limit of ", limits.max_page_heads,
+                                                   " page tables entries"));
+  }
   return absl::OkStatus();
 }
 

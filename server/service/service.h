@@ -20,6 +20,7 @@ struct ServiceLimits {
   int64_t max_tokens = 1 << 22;             // N
   int max_hidden = 1 << 16;                 // D
   int max_heads = 1024;                     // H
+  int64_t max_page_heads = 1ll << 24;       // (N / 64 + ranges) · H: page-table entries per layer
 };
 
 absl::Status CheckLimits(const LayerShape& shape, const ServiceLimits& limits);

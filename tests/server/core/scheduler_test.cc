@@ -142,6 +142,33 @@ TEST_F(SchedulerTest, DeadlinesAndCancellation) {
   EXPECT_EQ(pool_.Snapshot().reserved, 64 * kKiB);  // only the blocker holds memory
 }
 
+TEST_F(SchedulerTest, ClaimsGateAdmissionWithoutBlockingOthers) {
+  SchedulerOptions options;
+  options.max_bypass = absl::ZeroDuration();  // a job that does not fit would hold the line at once
+  Start(options);
+  int quota_left = 1;  // tenant "q" may run one job at a time
+  auto gated = [&](const std::string& name) {
+    Job job = rec_.Make(name, 8 * kKiB, 0, "q");
+    job.try_claim = [&] { return quota_left > 0 ? (--quota_left, true) : false; };
+    job.unclaim = [&] { ++quota_left; };
+    return job;
+  };
+  ASSERT_TRUE(scheduler_->Submit(gated("q1")).ok());
+  ASSERT_TRUE(scheduler_->Submit(gated("q2")).ok());               // over quota: skipped, not blocking
+  ASSERT_TRUE(scheduler_->Submit(rec_.Make("other", 8 * kKiB)).ok());
+  EXPECT_EQ(rec_.admitted, std::vector<std::string>({"q1", "other"}));
+  ++quota_left;  // q1 finished and gave back its share
+  rec_.Finish("q1");
+  EXPECT_EQ(rec_.admitted, std::vector<std::string>({"q1", "other", "q2"}));
+  // A claim is undone when the memory is not there.
+  ASSERT_TRUE(scheduler_->Submit(rec_.Make("big", 40 * kKiB)).ok());
+  quota_left = 1;
+  Job huge = gated("q3");
+  huge.peak_bytes = 60 * kKiB;
+  ASSERT_TRUE(scheduler_->Submit(std::move(huge)).ok());
+  EXPECT_EQ(quota_left, 1);
+}
+
 TEST_F(SchedulerTest, RejectAllOnShutdown) {
   Start();
   ASSERT_TRUE(scheduler_->Submit(rec_.Make("blocker", 64 * kKiB)).ok());

@@ -84,6 +84,13 @@ TEST_F(MalformedTest, LayerRequests) {
        "n_tokens"},
       {"too many tokens", [&](M* m) { header(m)->mutable_shape()->set_n_tokens(1ll << 40); },
        grpc::StatusCode::INVALID_ARGUMENT, "n_tokens"},
+      {"page tables too large",
+       [&](M* m) {
+         header(m)->mutable_shape()->set_n_tokens(4000000);
+         header(m)->mutable_shape()->set_n_heads(1024);
+         header(m)->mutable_ranges(2)->set_end(4000000);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "page tables"},
       {"range gap", [&](M* m) { header(m)->mutable_ranges(1)->set_begin(80); }, grpc::StatusCode::INVALID_ARGUMENT,
        "ranges[1].begin"},
       {"range overlap", [&](M* m) { header(m)->mutable_ranges(2)->set_begin(200); },
