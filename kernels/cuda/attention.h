@@ -25,11 +25,13 @@ namespace kvpack::cuda {
 
 inline constexpr int kTileQueries = 128;
 
-// How the 128 query rows of a CTA are split over warps. kTall: 4 warps × 32 rows, two CTAs per SM —
-// every K/V fragment read from shared memory feeds two MMAs (H200, N = 32768, INT4: 200 TFLOP/s).
-// kWide: 8 warps × 16 rows, one CTA per SM (166 TFLOP/s there, but 200 with BF16 pages, whose 64 KiB
-// raw stages leave room for only one kTall CTA: 148). kAuto picks kTall when two of its CTAs fit.
-enum class AttentionTilingChoice : uint8_t { kAuto = 0, kTall = 1, kWide = 2 };
+// Which kernel and warp layout run the 128 query rows of a CTA. kTall: mma.sync, 4 warps × 32 rows,
+// two CTAs per SM — every K/V fragment read from shared memory feeds two MMAs (H200, N = 32768, INT4:
+// 200 TFLOP/s). kWide: mma.sync, 8 warps × 16 rows, one CTA per SM (166 TFLOP/s there, but 200 with
+// BF16 pages, whose 64 KiB raw stages leave room for only one kTall CTA: 148). kWgmma: Hopper's
+// wgmma, one producer warp group decoding pages and two consumer warp groups of 64 rows
+// (attention_wgmma.cu). kAuto picks kTall when two of its CTAs fit, else kWide.
+enum class AttentionTilingChoice : uint8_t { kAuto = 0, kTall = 1, kWide = 2, kWgmma = 3 };
 
 struct AttentionParams {
   const uint16_t* q = nullptr;   // bf16 [n_q, H·d], rotated and balanced (R·(q⊙λ))
@@ -47,9 +49,9 @@ struct AttentionParams {
 
 // OK for head_dim 64 / 128 and a non-empty entry.
 Error AttentionSupported(const KvEntryView& kv);
-// Bytes of dynamic shared memory one CTA uses (part of Launch's answer to the planner; no global
-// workspace is needed).
-int AttentionSharedBytes(int head_dim, int max_page_bytes);
+// Bytes of dynamic shared memory one CTA of `tiling` uses (part of Launch's answer to the planner;
+// no global workspace is needed). kAuto: the largest of the choices.
+int AttentionSharedBytes(int head_dim, int max_page_bytes, AttentionTilingChoice tiling = AttentionTilingChoice::kAuto);
 // What kAuto becomes for an entry whose largest page has max_page_bytes (asks the occupancy API).
 Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved);
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream);
