@@ -40,14 +40,15 @@ __device__ __forceinline__ float HalfBits(uint32_t bits) {
 }
 
 // ── Page decode ─────────────────────────────────────────────────────────────────────────────────
-// Channels c8·8 … c8·8 + 7 of row r of a raw page (shared memory) as 8 bf16, decoded in fp32 exactly
-// as format.h's reference (lo + code·scale, one rounding, then bf16 round to nearest even); rows at
-// or past n_valid give zeros.
-template <int kDim>
-__device__ __forceinline__ uint4 DecodeUnit(const uint8_t* raw, PageFormat format, int n_valid, int r, int c8) {
+// Channels c8·8 … c8·8 + 7 of row r of a raw page (shared memory) in format F as 8 bf16, decoded in
+// fp32 exactly as format.h's reference (lo + code·scale, one rounding, then bf16 round to nearest
+// even); rows at or past n_valid give zeros.
+template <PageFormat F, int kDim>
+__device__ __forceinline__ uint4 DecodeUnitOf(const uint8_t* raw, int n_valid, int r, int c8) {
   if (r >= n_valid) return make_uint4(0, 0, 0, 0);
+  if constexpr (F == PageFormat::kBf16) return *reinterpret_cast<const uint4*>(raw + r * kDim * 2 + c8 * 16);
   float v[8];
-  if (format == PageFormat::kInt4) {
+  if constexpr (F == PageFormat::kInt4) {
     const uint32_t codes = *reinterpret_cast<const uint32_t*>(raw + r * (kDim / 2) + c8 * 4);
     const uint32_t meta = *reinterpret_cast<const uint32_t*>(raw + MetaOffset(PageFormat::kInt4, kDim) + r * 4);
     const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
@@ -57,7 +58,7 @@ __device__ __forceinline__ uint4 DecodeUnit(const uint8_t* raw, PageFormat forma
       const float code = __uint_as_float(0x4b000000u | ((codes >> (4 * i)) & 0xfu)) - 8388608.0f;
       v[i] = fmaf(code, scale, lo);
     }
-  } else if (format == PageFormat::kInt8) {
+  } else {
     const uint2 codes = *reinterpret_cast<const uint2*>(raw + r * kDim + c8 * 8);
     const float scale = HalfBits(*reinterpret_cast<const uint16_t*>(raw + MetaOffset(PageFormat::kInt8, kDim) + r * 2));
 #pragma unroll
@@ -65,10 +66,17 @@ __device__ __forceinline__ uint4 DecodeUnit(const uint8_t* raw, PageFormat forma
       v[i] = static_cast<float>(static_cast<int8_t>(codes.x >> (8 * i))) * scale;
       v[4 + i] = static_cast<float>(static_cast<int8_t>(codes.y >> (8 * i))) * scale;
     }
-  } else {
-    return *reinterpret_cast<const uint4*>(raw + r * kDim * 2 + c8 * 16);
   }
   return make_uint4(PackBf16x2(v[0], v[1]), PackBf16x2(v[2], v[3]), PackBf16x2(v[4], v[5]), PackBf16x2(v[6], v[7]));
+}
+
+template <int kDim>
+__device__ __forceinline__ uint4 DecodeUnit(const uint8_t* raw, PageFormat format, int n_valid, int r, int c8) {
+  switch (format) {
+    case PageFormat::kInt4: return DecodeUnitOf<PageFormat::kInt4, kDim>(raw, n_valid, r, c8);
+    case PageFormat::kInt8: return DecodeUnitOf<PageFormat::kInt8, kDim>(raw, n_valid, r, c8);
+    default: return DecodeUnitOf<PageFormat::kBf16, kDim>(raw, n_valid, r, c8);
+  }
 }
 
 // Starts the copy of one page's K and V bytes into a raw stage (K at 0, V at max_page_bytes); thread

@@ -135,6 +135,24 @@ __device__ __forceinline__ void BarArrive(int id, int count) {
 // Orders this thread's ordinary shared-memory stores before later wgmma reads of them.
 __device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// The producer's decode of one page: raw K and V (K at `stage`, V at stage + v_offset) → the swizzled
+// bf16 tiles, thread ptid of 128 taking every 128th 16-byte chunk (8 per tile at d = 128, unrolled so
+// that their shared-memory loads overlap).
+template <PageFormat F, int kDim>
+__device__ __forceinline__ void DecodeTiles(const uint8_t* stage, int v_offset, int n_valid, uint8_t* k_tile,
+                                            uint8_t* v_tile, int ptid) {
+  constexpr int kUnitsPerRow = kDim / 8;
+  constexpr int kSteps = kPageTokens * kUnitsPerRow / 128;
+#pragma unroll
+  for (int it = 0; it < kSteps; ++it) {
+    const int u = ptid + it * 128;
+    const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow;
+    const int off = SwizzledOffset<kPageTokens>(r, c8);
+    *reinterpret_cast<uint4*>(k_tile + off) = DecodeUnitOf<F, kDim>(stage, n_valid, r, c8);
+    *reinterpret_cast<uint4*>(v_tile + off) = DecodeUnitOf<F, kDim>(stage + v_offset, n_valid, r, c8);
+  }
+}
+
 template <int kDim>
 __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmmaKernel(const AttentionParams p) {
   using T = WgmmaTraits<kDim>;
@@ -203,11 +221,10 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
         const uint8_t* stage = raw + (i % T::kRawStages) * stage_bytes;
         uint8_t* k_tile = smem + T::kKOffset + s * T::kTileBytes;
         uint8_t* v_tile = smem + T::kVOffset + s * T::kTileBytes;
-        for (int u = ptid; u < kPageTokens * kUnitsPerRow; u += 128) {
-          const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow;
-          const int off = SwizzledOffset<kPageTokens>(r, c8);
-          *reinterpret_cast<uint4*>(k_tile + off) = DecodeUnit<kDim>(stage, format, page.n_valid, r, c8);
-          *reinterpret_cast<uint4*>(v_tile + off) = DecodeUnit<kDim>(stage + p.max_page_bytes, format, page.n_valid, r, c8);
+        switch (format) {
+          case PageFormat::kInt4: DecodeTiles<PageFormat::kInt4, kDim>(stage, p.max_page_bytes, page.n_valid, k_tile, v_tile, ptid); break;
+          case PageFormat::kInt8: DecodeTiles<PageFormat::kInt8, kDim>(stage, p.max_page_bytes, page.n_valid, k_tile, v_tile, ptid); break;
+          default: DecodeTiles<PageFormat::kBf16, kDim>(stage, p.max_page_bytes, page.n_valid, k_tile, v_tile, ptid); break;
         }
         FenceProxyAsync();
         BarArrive(T::kFullBar + s, T::kThreads);
