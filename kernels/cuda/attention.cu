@@ -301,7 +301,8 @@ Error LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
   if (tiling == AttentionTilingChoice::kAuto) KVPACK_RETURN_IF_ERROR(Resolve<kDim>(p.max_page_bytes, &tiling));
   switch (tiling) {
     case AttentionTilingChoice::kWide: return Launch<kDim, 8, 1>(p, stream);
-    case AttentionTilingChoice::kWgmma: return LaunchAttentionWgmma(p, stream);
+    case AttentionTilingChoice::kWgmma: return LaunchAttentionWgmma(p, false, stream);
+    case AttentionTilingChoice::kWgmmaOverlap: return LaunchAttentionWgmma(p, true, stream);
     default: return Launch<kDim, 4, 2>(p, stream);
   }
 }
@@ -323,7 +324,8 @@ int AttentionSharedBytes(int head_dim, int max_page_bytes, AttentionTilingChoice
   switch (tiling) {
     case AttentionTilingChoice::kTall:
     case AttentionTilingChoice::kWide: return mma_sync;
-    case AttentionTilingChoice::kWgmma: return wgmma;
+    case AttentionTilingChoice::kWgmma:
+    case AttentionTilingChoice::kWgmmaOverlap: return wgmma;
     default: return mma_sync > wgmma ? mma_sync : wgmma;
   }
 }

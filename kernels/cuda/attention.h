@@ -30,8 +30,9 @@ inline constexpr int kTileQueries = 128;
 // 200 TFLOP/s). kWide: mma.sync, 8 warps × 16 rows, one CTA per SM (166 TFLOP/s there, but 200 with
 // BF16 pages, whose 64 KiB raw stages leave room for only one kTall CTA: 148). kWgmma: Hopper's
 // wgmma, one producer warp group decoding pages and two consumer warp groups of 64 rows
-// (attention_wgmma.cu). kAuto picks kTall when two of its CTAs fit, else kWide.
-enum class AttentionTilingChoice : uint8_t { kAuto = 0, kTall = 1, kWide = 2, kWgmma = 3 };
+// (attention_wgmma.cu); kWgmmaOverlap the same with S of the next page issued behind P·V of this
+// one. kAuto picks kTall when two of its CTAs fit, else kWide.
+enum class AttentionTilingChoice : uint8_t { kAuto = 0, kTall = 1, kWide = 2, kWgmma = 3, kWgmmaOverlap = 4 };
 
 struct AttentionParams {
   const uint16_t* q = nullptr;   // bf16 [n_q, H·d], rotated and balanced (R·(q⊙λ))

@@ -153,7 +153,7 @@ __device__ __forceinline__ void DecodeTiles(const uint8_t* stage, int v_offset, 
   }
 }
 
-template <int kDim>
+template <int kDim, bool kOverlap>
 __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmmaKernel(const AttentionParams p) {
   using T = WgmmaTraits<kDim>;
   constexpr int kUnitsPerRow = kDim / 8;  // 16-byte chunks per bf16 row
@@ -231,17 +231,17 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
       }
       CpAsyncWait<0>();
     } else {
-      // Consumers.
+      // Consumers. kOverlap: S(i+1) is issued right behind P(i)·V so that the tensor cores run both
+      // while this group waits, instead of idling between them; otherwise S(i) and P(i)·V each
+      // complete before the group moves on.
       const uint32_t q_addr = SmemAddr(smem + (group - 1) * (T::kQBytes / 2));
-      for (int i = 0; i < n_visible; ++i) {
-        const int s = i % T::kStages;
-        const uint32_t k_addr = SmemAddr(smem + T::kKOffset + s * T::kTileBytes);
-        const uint32_t v_addr = SmemAddr(smem + T::kVOffset + s * T::kTileBytes);
-        const PageDesc page = p.kv.pages[w0 + scratch.visible[i]];
-        BarSync(T::kFullBar + s, T::kThreads);
-
-        // S[64 × 64] = Q[64 × d] · Kᵀ[d × 64]: k-step kc reads 32 bytes into a 128-byte swizzled row.
-        float sc[8][4];  // S rows (g, g+8) × keys (n·8 + 2t, +1)
+      float sc[8][4];   // S rows (g, g+8) × keys (n·8 + 2t, +1)
+      uint32_t a[4][4];  // P as the A fragments of the four 16-key steps of P·V
+      // S[64 × 64] = Q[64 × d] · Kᵀ[d × 64] of visible page i, once the producer has filled its stage;
+      // k-step kc reads 32 bytes into a 128-byte swizzled row.
+      auto issue_s = [&](int i) {
+        const uint32_t k_addr = SmemAddr(smem + T::kKOffset + (i % T::kStages) * T::kTileBytes);
+        BarSync(T::kFullBar + i % T::kStages, T::kThreads);
         WgmmaFence();
 #pragma unroll
         for (int kc = 0; kc < kDim / 16; ++kc) {
@@ -249,8 +249,21 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
           WgmmaSS64(sc, Desc(q_addr + off, 16, 1024), Desc(k_addr + off, 16, 1024), kc > 0);
         }
         WgmmaCommit();
-        WgmmaWaitAll();
+      };
+      if (kOverlap) issue_s(0);
+      for (int i = 0; i < n_visible; ++i) {
+        const int s = i % T::kStages;
+        if (!kOverlap) issue_s(i);
+        WgmmaWaitAll();  // S(i), and P(i−1)·V with kOverlap
         FenceRegs(sc);
+        FenceRegs(o);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[kk][e])::"memory");  // P(i−1) read until here
+        }
+        if (kOverlap && i > 0 && i - 1 + T::kStages < n_visible) BarArrive(T::kEmptyBar + (i - 1) % T::kStages, T::kThreads);
+        const PageDesc page = p.kv.pages[w0 + scratch.visible[i]];
 
         // Masks: invalid slots, other sequences, future keys (causal).
         const bool need_mask = page.n_valid < kPageTokens || runs.n > 1 ||
@@ -295,7 +308,6 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
         }
 
         // O[64 × d] += P[64 × 64] · V[64 × d]: k-step kk takes keys kk·16 … +15 (two 8-key row groups).
-        uint32_t a[4][4];
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           a[kk][0] = PackBf16x2(sc[2 * kk][0], sc[2 * kk][1]);
@@ -303,15 +315,22 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
           a[kk][2] = PackBf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
           a[kk][3] = PackBf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
         }
+        const uint32_t v_addr = SmemAddr(smem + T::kVOffset + s * T::kTileBytes);
         FenceRegs(o);
         WgmmaFence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) WgmmaRS(o, a[kk], Desc(v_addr + kk * 2048, kPageTokens * 128, 1024));
         WgmmaCommit();
-        WgmmaWaitAll();
-        FenceRegs(o);
-        if (i + T::kStages < n_visible) BarArrive(T::kEmptyBar + s, T::kThreads);
+        if (kOverlap) {
+          if (i + 1 < n_visible) issue_s(i + 1);
+        } else {
+          WgmmaWaitAll();
+          FenceRegs(o);
+          if (i + T::kStages < n_visible) BarArrive(T::kEmptyBar + s, T::kThreads);
+        }
       }
+      WgmmaWaitAll();
+      FenceRegs(o);
     }
     __syncthreads();  // every group is done with the tiles before the next window or the epilogue
   }
@@ -343,13 +362,14 @@ int DynamicSmem(int max_page_bytes) {
   return T::kAlign + T::kRawOffset + T::kRawStages * 2 * max_page_bytes;
 }
 
-template <int kDim>
+template <int kDim, bool kOverlap>
 Error Launch(const AttentionParams& p, cudaStream_t stream) {
   using T = WgmmaTraits<kDim>;
   const int smem = DynamicSmem<kDim>(p.max_page_bytes);
-  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(AttentionWgmmaKernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  auto kernel = AttentionWgmmaKernel<kDim, kOverlap>;
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>((p.n_q + kTileQueries - 1) / kTileQueries), static_cast<unsigned>(p.kv.n_heads));
-  AttentionWgmmaKernel<kDim><<<grid, T::kThreads, smem, stream>>>(p);
+  kernel<<<grid, T::kThreads, smem, stream>>>(p);
   KVPACK_CUDA_RETURN_LAUNCH("attention wgmma kernel");
   return Error::Ok();
 }
@@ -360,8 +380,9 @@ int AttentionWgmmaSharedBytes(int head_dim, int max_page_bytes) {
   return head_dim == 128 ? DynamicSmem<128>(max_page_bytes) : DynamicSmem<64>(max_page_bytes);
 }
 
-Error LaunchAttentionWgmma(const AttentionParams& params, cudaStream_t stream) {
-  return params.kv.head_dim == 128 ? Launch<128>(params, stream) : Launch<64>(params, stream);
+Error LaunchAttentionWgmma(const AttentionParams& params, bool overlap, cudaStream_t stream) {
+  if (params.kv.head_dim == 128) return overlap ? Launch<128, true>(params, stream) : Launch<128, false>(params, stream);
+  return overlap ? Launch<64, true>(params, stream) : Launch<64, false>(params, stream);
 }
 
 }  // namespace kvpack::cuda

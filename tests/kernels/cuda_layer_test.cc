@@ -467,12 +467,13 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
   if (errors) *errors = {err_decoded, err_exact};
 }
 
-// Runs the case with its own tiling choice and again with the wgmma kernel.
+// Runs the case with its own tiling choice and again with each wgmma kernel.
 void RunCaseEachKernel(Case c) {
   RunCase(c);
-  if (c.tiling == AttentionTilingChoice::kWgmma) return;
-  c.tiling = AttentionTilingChoice::kWgmma;
-  RunCase(c);
+  for (AttentionTilingChoice k : {AttentionTilingChoice::kWgmma, AttentionTilingChoice::kWgmmaOverlap}) {
+    c.tiling = k;
+    RunCase(c);
+  }
 }
 
 TEST(CudaLayer, RejectsWhatTheGpuCannotRun) {
