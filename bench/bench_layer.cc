@@ -94,6 +94,7 @@ int main(int argc, char** argv) {
     CHECK_OK(cuda::ResolveAttentionTiling(dim, PageBytes(format, dim), &resolved));
     tiling = resolved == cuda::AttentionTilingChoice::kWide    ? "auto:wide"
              : resolved == cuda::AttentionTilingChoice::kWgmma ? "auto:wgmma"
+             : resolved == cuda::AttentionTilingChoice::kWgmmaOverlap ? "auto:overlap"
                                                                : "auto:tall";
   }
   CHECK_CUDA(cudaStreamCreate(&ctx.stream));

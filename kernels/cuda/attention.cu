@@ -282,23 +282,15 @@ Error Launch(const AttentionParams& p, cudaStream_t stream) {
   return Error::Ok();
 }
 
-// kTall when two of its CTAs fit on an SM with this entry's raw stages (INT4/INT8 pages), else kWide
-// (BF16 pages make the raw stages 64 KiB at d = 128: one kTall CTA of 4 warps would idle the SM).
-template <int kDim>
-Error Resolve(int max_page_bytes, AttentionTilingChoice* resolved) {
-  KVPACK_RETURN_IF_ERROR((PrepareKernel<kDim, 4, 2>(max_page_bytes)));
-  int blocks = 0;
-  KVPACK_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, AttentionKernel<kDim, 4, 2>, AttentionTraits<kDim, 4, 2>::kThreads, DynamicSmem<kDim, 4, 2>(max_page_bytes)));
-  *resolved = blocks >= 2 ? AttentionTilingChoice::kTall : AttentionTilingChoice::kWide;
-  return Error::Ok();
-}
+// kAuto: the wgmma kernel with S of the next page issued behind P·V, for every format and head_dim
+// (one CTA of at most ~207 KB of shared memory, BF16 pages at d = 128, always fits an H200 SM).
+AttentionTilingChoice Resolve() { return AttentionTilingChoice::kWgmmaOverlap; }
 
 // The one place where runtime choices become template arguments.
 template <int kDim>
 Error LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
   AttentionTilingChoice tiling = p.tiling;
-  if (tiling == AttentionTilingChoice::kAuto) KVPACK_RETURN_IF_ERROR(Resolve<kDim>(p.max_page_bytes, &tiling));
+  if (tiling == AttentionTilingChoice::kAuto) tiling = Resolve();
   switch (tiling) {
     case AttentionTilingChoice::kWide: return Launch<kDim, 8, 1>(p, stream);
     case AttentionTilingChoice::kWgmma: return LaunchAttentionWgmma(p, false, stream);
@@ -331,9 +323,10 @@ int AttentionSharedBytes(int head_dim, int max_page_bytes, AttentionTilingChoice
 }
 
 Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved) {
-  if (head_dim == 128) return Resolve<128>(max_page_bytes, resolved);
-  if (head_dim == 64) return Resolve<64>(max_page_bytes, resolved);
-  return Unsupported("attention: head_dim = " + std::to_string(head_dim));
+  if (head_dim != 64 && head_dim != 128) return Unsupported("attention: head_dim = " + std::to_string(head_dim));
+  (void)max_page_bytes;  // every page size fits the wgmma kernel's one CTA per SM
+  *resolved = Resolve();
+  return Error::Ok();
 }
 
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream) {

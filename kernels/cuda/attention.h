@@ -31,7 +31,7 @@ inline constexpr int kTileQueries = 128;
 // BF16 pages, whose 64 KiB raw stages leave room for only one kTall CTA: 148). kWgmma: Hopper's
 // wgmma, one producer warp group decoding pages and two consumer warp groups of 64 rows
 // (attention_wgmma.cu); kWgmmaOverlap the same with S of the next page issued behind P·V of this
-// one. kAuto picks kTall when two of its CTAs fit, else kWide.
+// one. kAuto picks kWgmmaOverlap.
 enum class AttentionTilingChoice : uint8_t { kAuto = 0, kTall = 1, kWide = 2, kWgmma = 3, kWgmmaOverlap = 4 };
 
 struct AttentionParams {
@@ -53,7 +53,7 @@ Error AttentionSupported(const KvEntryView& kv);
 // Bytes of dynamic shared memory one CTA of `tiling` uses (part of Launch's answer to the planner;
 // no global workspace is needed). kAuto: the largest of the choices.
 int AttentionSharedBytes(int head_dim, int max_page_bytes, AttentionTilingChoice tiling = AttentionTilingChoice::kAuto);
-// What kAuto becomes for an entry whose largest page has max_page_bytes (asks the occupancy API).
+// What kAuto becomes for an entry whose largest page has max_page_bytes.
 Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved);
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream);
 

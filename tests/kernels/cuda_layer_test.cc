@@ -90,7 +90,7 @@ struct Case {
   bool transforms = true;
   int64_t projection_chunk = 4096, query_chunk = 4096;
   uint64_t seed = 1;
-  AttentionTilingChoice tiling = AttentionTilingChoice::kAuto;  // RunCaseEachKernel adds kWgmma
+  AttentionTilingChoice tiling = AttentionTilingChoice::kAuto;  // RunCaseEachKernel adds the others
 };
 
 float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
@@ -467,10 +467,12 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
   if (errors) *errors = {err_decoded, err_exact};
 }
 
-// Runs the case with its own tiling choice and again with each wgmma kernel.
+// Runs the case with its own tiling choice (kAuto: the default kernel) and again with every other one.
 void RunCaseEachKernel(Case c) {
+  const AttentionTilingChoice own = c.tiling;
   RunCase(c);
-  for (AttentionTilingChoice k : {AttentionTilingChoice::kWgmma, AttentionTilingChoice::kWgmmaOverlap}) {
+  for (AttentionTilingChoice k : {AttentionTilingChoice::kTall, AttentionTilingChoice::kWgmma, AttentionTilingChoice::kWgmmaOverlap}) {
+    if (k == own || (own == AttentionTilingChoice::kAuto && k == AttentionTilingChoice::kWgmmaOverlap)) continue;
     c.tiling = k;
     RunCase(c);
   }
@@ -533,15 +535,16 @@ TEST(CudaLayer, CancelStopsBetweenChunks) {
   cudaStreamDestroy(ctx.stream);
 }
 
-TEST(CudaLayer, AutoTilingPrefersTallUnlessBf16PagesCrowdTheSm) {
+TEST(CudaLayer, AutoTilingIsTheWgmmaKernelForEveryPageSize) {
   SKIP_WITHOUT_GPU();
-  AttentionTilingChoice t;
-  ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kInt4, 128), &t));
-  EXPECT_EQ(t, AttentionTilingChoice::kTall);
-  ASSERT_OK(ResolveAttentionTiling(64, PageBytes(PageFormat::kBf16, 64), &t));
-  EXPECT_EQ(t, AttentionTilingChoice::kTall);
-  ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kBf16, 128), &t));
-  EXPECT_EQ(t, AttentionTilingChoice::kWide);
+  for (int dim : {64, 128}) {
+    for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8, PageFormat::kBf16}) {
+      AttentionTilingChoice t;
+      ASSERT_OK(ResolveAttentionTiling(dim, PageBytes(f, dim), &t));
+      EXPECT_EQ(t, AttentionTilingChoice::kWgmmaOverlap);
+      EXPECT_LE(AttentionSharedBytes(dim, PageBytes(f, dim), t), 227 * 1024 - 10 * 1024);  // + static, per SM
+    }
+  }
 }
 
 TEST(CudaLayer, Int4OneSequence) {
