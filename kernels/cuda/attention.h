@@ -1,13 +1,16 @@
-// Dense attention over packed K/V pages (FlashAttention-2 style), one kernel family.
+// Dense attention over packed K/V pages (FlashAttention style), one kernel family, two kernels.
 //
-// A CTA takes one query tile (kTileQueries = 128 rows of one head; warps × rows per AttentionTilingChoice) and streams the
-// pages of that head that its queries may see through shared memory: cp.async brings page p+1's raw
-// bytes while page p is computed; each page is decoded (INT4 / INT8 / BF16, per page) to a bf16 tile
-// in shared memory once and read by all 8 warps with ldmatrix; S = Q·Kᵀ and O += P·V run on
-// mma.sync m16n8k16 (bf16 in, fp32 accumulate) with the online softmax in fp32 registers. The
-// epilogue un-rotates each output row (Rᵀ, fast Walsh–Hadamard in registers), adds μ_v and writes
-// bf16. Masking: slots past PageDesc::n_valid, keys of other sequences, and (causal) keys after the
-// query; pages that no query of the tile may see are skipped before they are loaded.
+// A CTA takes one query tile (kTileQueries = 128 rows of one head) and streams the pages of that head
+// that its queries may see through shared memory: cp.async brings raw page bytes ahead of use; each
+// page is decoded (INT4 / INT8 / BF16, per page) to a bf16 tile in shared memory once; S = Q·Kᵀ and
+// O += P·V run on the tensor cores (bf16 in, fp32 accumulate) with the online softmax in fp32
+// registers. The epilogue un-rotates each output row (Rᵀ, fast Walsh–Hadamard in registers), adds
+// μ_v and writes bf16. Masking: slots past PageDesc::n_valid, keys of other sequences, and (causal)
+// keys after the query; pages that no query of the tile may see are skipped before they are loaded.
+//   attention_wgmma.cu (kWgmma, kWgmmaOverlap; the default): Hopper's wgmma; a producer warp group
+//     decodes pages into a ring of swizzled tiles, two consumer warp groups of 64 rows multiply.
+//   attention.cu (kTall, kWide): mma.sync m16n8k16 from ldmatrix fragments; every warp decodes.
+// attention_device.cuh holds what both share (decode, visibility, the epilogue).
 //
 // Queries are the chunk's tokens: query i of the launch is token q_token_begin + i, with that
 // token's sequence id (looked up in the page table) and position (its token index).
