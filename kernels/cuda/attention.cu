@@ -282,9 +282,9 @@ Error Launch(const AttentionParams& p, cudaStream_t stream) {
   return Error::Ok();
 }
 
-// kAuto: the wgmma kernel with S of the next page issued behind P·V, for every format and head_dim
-// (one CTA of at most ~207 KB of shared memory, BF16 pages at d = 128, always fits an H200 SM).
-AttentionTilingChoice Resolve() { return AttentionTilingChoice::kWgmmaOverlap; }
+// kAuto: the wgmma kernel for every format and head_dim (one CTA of at most ~207 KB of shared
+// memory, BF16 pages at d = 128, always fits an H200 SM); it is the fastest in every measured case.
+AttentionTilingChoice Resolve() { return AttentionTilingChoice::kWgmma; }
 
 // The one place where runtime choices become template arguments.
 template <int kDim>
@@ -293,8 +293,7 @@ Error LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
   if (tiling == AttentionTilingChoice::kAuto) tiling = Resolve();
   switch (tiling) {
     case AttentionTilingChoice::kWide: return Launch<kDim, 8, 1>(p, stream);
-    case AttentionTilingChoice::kWgmma: return LaunchAttentionWgmma(p, false, stream);
-    case AttentionTilingChoice::kWgmmaOverlap: return LaunchAttentionWgmma(p, true, stream);
+    case AttentionTilingChoice::kWgmma: return LaunchAttentionWgmma(p, stream);
     default: return Launch<kDim, 4, 2>(p, stream);
   }
 }
@@ -316,8 +315,7 @@ int AttentionSharedBytes(int head_dim, int max_page_bytes, AttentionTilingChoice
   switch (tiling) {
     case AttentionTilingChoice::kTall:
     case AttentionTilingChoice::kWide: return mma_sync;
-    case AttentionTilingChoice::kWgmma:
-    case AttentionTilingChoice::kWgmmaOverlap: return wgmma;
+    case AttentionTilingChoice::kWgmma: return wgmma;
     default: return mma_sync > wgmma ? mma_sync : wgmma;
   }
 }

@@ -40,34 +40,63 @@ __device__ __forceinline__ float HalfBits(uint32_t bits) {
 }
 
 // ── Page decode ─────────────────────────────────────────────────────────────────────────────────
-// Channels c8·8 … c8·8 + 7 of row r of a raw page (shared memory) in format F as 8 bf16, decoded in
-// fp32 exactly as format.h's reference (lo + code·scale, one rounding, then bf16 round to nearest
-// even); rows at or past n_valid give zeros.
+// Channels c8·8 … c8·8 + 7 of row r of a raw page (shared memory) in format F: LoadUnit reads the
+// bytes, ConvertUnit makes 8 bf16 of them exactly as format.h's reference decodes (fp32: lo + code·
+// scale with one rounding, or code·scale; then bf16 round to nearest even). Split so that a caller
+// can issue several units' loads before their stores. Integer codes become floats through the
+// exponent trick: the float with bits 0x4b000000 | c is 2^23 + c exactly (c < 2^23), so subtracting
+// 2^23 gives c without an integer conversion (a quarter-rate instruction on sm_90).
+template <PageFormat F>
+struct RawUnit {
+  uint4 bits;  // INT4: x = codes (8 nibbles), y = meta (scale | lo << 16); INT8: x, y = codes, z = scale; BF16: values
+};
+
 template <PageFormat F, int kDim>
-__device__ __forceinline__ uint4 DecodeUnitOf(const uint8_t* raw, int n_valid, int r, int c8) {
-  if (r >= n_valid) return make_uint4(0, 0, 0, 0);
-  if constexpr (F == PageFormat::kBf16) return *reinterpret_cast<const uint4*>(raw + r * kDim * 2 + c8 * 16);
+__device__ __forceinline__ RawUnit<F> LoadUnit(const uint8_t* raw, int r, int c8) {
+  RawUnit<F> u;
+  if constexpr (F == PageFormat::kInt4) {
+    u.bits.x = *reinterpret_cast<const uint32_t*>(raw + r * (kDim / 2) + c8 * 4);
+    u.bits.y = *reinterpret_cast<const uint32_t*>(raw + MetaOffset(PageFormat::kInt4, kDim) + r * 4);
+  } else if constexpr (F == PageFormat::kInt8) {
+    const uint2 codes = *reinterpret_cast<const uint2*>(raw + r * kDim + c8 * 8);
+    u.bits.x = codes.x, u.bits.y = codes.y;
+    u.bits.z = *reinterpret_cast<const uint16_t*>(raw + MetaOffset(PageFormat::kInt8, kDim) + r * 2);
+  } else {
+    u.bits = *reinterpret_cast<const uint4*>(raw + r * kDim * 2 + c8 * 16);
+  }
+  return u;
+}
+
+template <PageFormat F>
+__device__ __forceinline__ uint4 ConvertUnit(const RawUnit<F>& u) {
+  if constexpr (F == PageFormat::kBf16) return u.bits;
   float v[8];
   if constexpr (F == PageFormat::kInt4) {
-    const uint32_t codes = *reinterpret_cast<const uint32_t*>(raw + r * (kDim / 2) + c8 * 4);
-    const uint32_t meta = *reinterpret_cast<const uint32_t*>(raw + MetaOffset(PageFormat::kInt4, kDim) + r * 4);
-    const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
+    const float scale = HalfBits(u.bits.y & 0xffffu), lo = HalfBits(u.bits.y >> 16);
+    const uint32_t even = u.bits.x & 0x0f0f0f0fu, odd = (u.bits.x >> 4) & 0x0f0f0f0fu;  // byte k: channel 2k / 2k+1
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      // 2^23 + code as a float, minus 2^23: the code exactly, without an integer conversion.
-      const float code = __uint_as_float(0x4b000000u | ((codes >> (4 * i)) & 0xfu)) - 8388608.0f;
-      v[i] = fmaf(code, scale, lo);
+    for (int k = 0; k < 4; ++k) {
+      // bytes (code, 0, 0, 0x4b): 2^23 + code
+      v[2 * k] = fmaf(__uint_as_float(__byte_perm(even, 0x4b000000u, 0x7540 + k)) - 8388608.0f, scale, lo);
+      v[2 * k + 1] = fmaf(__uint_as_float(__byte_perm(odd, 0x4b000000u, 0x7540 + k)) - 8388608.0f, scale, lo);
     }
   } else {
-    const uint2 codes = *reinterpret_cast<const uint2*>(raw + r * kDim + c8 * 8);
-    const float scale = HalfBits(*reinterpret_cast<const uint16_t*>(raw + MetaOffset(PageFormat::kInt8, kDim) + r * 2));
+    const float scale = HalfBits(u.bits.z);
+    const uint32_t x = u.bits.x ^ 0x80808080u, y = u.bits.y ^ 0x80808080u;  // each byte: code + 128
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[i] = static_cast<float>(static_cast<int8_t>(codes.x >> (8 * i))) * scale;
-      v[4 + i] = static_cast<float>(static_cast<int8_t>(codes.y >> (8 * i))) * scale;
+    for (int k = 0; k < 4; ++k) {
+      v[k] = (__uint_as_float(__byte_perm(x, 0x4b000000u, 0x7540 + k)) - 8388736.0f) * scale;  // 2^23 + 128
+      v[4 + k] = (__uint_as_float(__byte_perm(y, 0x4b000000u, 0x7540 + k)) - 8388736.0f) * scale;
     }
   }
   return make_uint4(PackBf16x2(v[0], v[1]), PackBf16x2(v[2], v[3]), PackBf16x2(v[4], v[5]), PackBf16x2(v[6], v[7]));
+}
+
+// One unit, zeros for rows at or past n_valid.
+template <PageFormat F, int kDim>
+__device__ __forceinline__ uint4 DecodeUnitOf(const uint8_t* raw, int n_valid, int r, int c8) {
+  if (r >= n_valid) return make_uint4(0, 0, 0, 0);
+  return ConvertUnit<F>(LoadUnit<F, kDim>(raw, r, c8));
 }
 
 template <int kDim>

@@ -27,14 +27,14 @@ namespace {
 //   V      [kStages][64 keys][kDim]    bf16, swizzled     kStages · kTileBytes
 //   raw    [kRawStages][K page | V page]                  kRawStages · 2 · max_page_bytes
 // The epilogue stages float rows [128][kDim + 4] over Q, K and V once every MMA is done.
-template <int kDim>
+template <int kDim, int kStagesT>
 struct WgmmaTraits {
   static_assert(kDim == 64 || kDim == 128, "head_dim 64 or 128");
   static constexpr int kConsumerGroups = 2;
   static constexpr int kGroupRows = 64;  // wgmma M
   static_assert(kConsumerGroups * kGroupRows == kTileQueries, "consumer groups cover the query tile");
   static constexpr int kThreads = 128 * (1 + kConsumerGroups);
-  static constexpr int kStages = 2;     // decoded K/V tiles in flight
+  static constexpr int kStages = kStagesT;  // decoded K/V tiles in flight: 3 where shared memory allows, else 2
   static constexpr int kRawStages = 3;  // raw pages in flight (one being decoded, two arriving)
   static constexpr int kTileBytes = kPageTokens * kDim * 2;
   static constexpr int kQBytes = kTileQueries * kDim * 2;
@@ -136,26 +136,37 @@ __device__ __forceinline__ void BarArrive(int id, int count) {
 __device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // The producer's decode of one page: raw K and V (K at `stage`, V at stage + v_offset) → the swizzled
-// bf16 tiles, thread ptid of 128 taking every 128th 16-byte chunk (8 per tile at d = 128, unrolled so
-// that their shared-memory loads overlap).
+// bf16 tiles, thread ptid of 128 taking every 128th 16-byte chunk (8 per tile at d = 128). All loads
+// of a tile are issued before its first store (the compiler cannot reorder loads across stores to
+// the same shared array), so their latencies overlap.
 template <PageFormat F, int kDim>
 __device__ __forceinline__ void DecodeTiles(const uint8_t* stage, int v_offset, int n_valid, uint8_t* k_tile,
                                             uint8_t* v_tile, int ptid) {
   constexpr int kUnitsPerRow = kDim / 8;
   constexpr int kSteps = kPageTokens * kUnitsPerRow / 128;
 #pragma unroll
-  for (int it = 0; it < kSteps; ++it) {
-    const int u = ptid + it * 128;
-    const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow;
-    const int off = SwizzledOffset<kPageTokens>(r, c8);
-    *reinterpret_cast<uint4*>(k_tile + off) = DecodeUnitOf<F, kDim>(stage, n_valid, r, c8);
-    *reinterpret_cast<uint4*>(v_tile + off) = DecodeUnitOf<F, kDim>(stage + v_offset, n_valid, r, c8);
+  for (int tile = 0; tile < 2; ++tile) {
+    const uint8_t* src = tile == 0 ? stage : stage + v_offset;
+    uint8_t* dst = tile == 0 ? k_tile : v_tile;
+    RawUnit<F> units[kSteps];
+#pragma unroll
+    for (int it = 0; it < kSteps; ++it) {
+      const int u = ptid + it * 128;
+      units[it] = LoadUnit<F, kDim>(src, u / kUnitsPerRow, u % kUnitsPerRow);
+    }
+#pragma unroll
+    for (int it = 0; it < kSteps; ++it) {
+      const int u = ptid + it * 128;
+      const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow;
+      *reinterpret_cast<uint4*>(dst + SwizzledOffset<kPageTokens>(r, c8)) =
+          r < n_valid ? ConvertUnit<F>(units[it]) : make_uint4(0, 0, 0, 0);
+    }
   }
 }
 
-template <int kDim, bool kOverlap>
-__global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmmaKernel(const AttentionParams p) {
-  using T = WgmmaTraits<kDim>;
+template <int kDim, int kStages>
+__global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) AttentionWgmmaKernel(const AttentionParams p) {
+  using T = WgmmaTraits<kDim, kStages>;
   constexpr int kUnitsPerRow = kDim / 8;  // 16-byte chunks per bf16 row
   constexpr int kONTiles = kDim / 8;      // 8-channel column groups of O
   extern __shared__ uint8_t smem_raw[];
@@ -231,9 +242,8 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
       }
       CpAsyncWait<0>();
     } else {
-      // Consumers. kOverlap: S(i+1) is issued right behind P(i)·V so that the tensor cores run both
-      // while this group waits, instead of idling between them; otherwise S(i) and P(i)·V each
-      // complete before the group moves on.
+      // Consumers: S(i+1) is issued right behind P(i)·V so that the tensor cores run both while this
+      // group waits (224.5 → 230.6 TFLOP/s at N = 32768 INT4 against completing each before the next).
       const uint32_t q_addr = SmemAddr(smem + (group - 1) * (T::kQBytes / 2));
       float sc[8][4];   // S rows (g, g+8) × keys (n·8 + 2t, +1)
       uint32_t a[4][4];  // P as the A fragments of the four 16-key steps of P·V
@@ -250,11 +260,10 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
         }
         WgmmaCommit();
       };
-      if (kOverlap) issue_s(0);
+      issue_s(0);
       for (int i = 0; i < n_visible; ++i) {
         const int s = i % T::kStages;
-        if (!kOverlap) issue_s(i);
-        WgmmaWaitAll();  // S(i), and P(i−1)·V with kOverlap
+        WgmmaWaitAll();  // S(i) and P(i−1)·V
         FenceRegs(sc);
         FenceRegs(o);
 #pragma unroll
@@ -262,7 +271,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
 #pragma unroll
           for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[kk][e])::"memory");  // P(i−1) read until here
         }
-        if (kOverlap && i > 0 && i - 1 + T::kStages < n_visible) BarArrive(T::kEmptyBar + (i - 1) % T::kStages, T::kThreads);
+        if (i > 0 && i - 1 + T::kStages < n_visible) BarArrive(T::kEmptyBar + (i - 1) % T::kStages, T::kThreads);
         const PageDesc page = p.kv.pages[w0 + scratch.visible[i]];
 
         // Masks: invalid slots, other sequences, future keys (causal).
@@ -282,7 +291,9 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
           }
         }
 
-        // Online softmax (log2 domain), rows g and g + 8.
+        // Online softmax (log2 domain), rows g and g + 8. O is rescaled only when some row of the warp
+        // has a new maximum (after the first pages almost never; ×1 would change no bit).
+        float corr[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           float mx = -INFINITY;
@@ -292,11 +303,9 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
           mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
           const float m_new = fmaxf(row_max[r], mx * scale_log2);
           const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a fully masked row so far
-          const float corr = exp2f(row_max[r] - m_use);
+          corr[r] = exp2f(row_max[r] - m_use);
           row_max[r] = m_new;
-          row_sum[r] *= corr;
-#pragma unroll
-          for (int n = 0; n < kONTiles; ++n) o[n][2 * r] *= corr, o[n][2 * r + 1] *= corr;
+          row_sum[r] *= corr[r];
 #pragma unroll
           for (int n = 0; n < 8; ++n) {
 #pragma unroll
@@ -305,6 +314,10 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
               row_sum[r] += sc[n][e];
             }
           }
+        }
+        if (__any_sync(kFullMask, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+          for (int n = 0; n < kONTiles; ++n) o[n][0] *= corr[0], o[n][1] *= corr[0], o[n][2] *= corr[1], o[n][3] *= corr[1];
         }
 
         // O[64 × d] += P[64 × 64] · V[64 × d]: k-step kk takes keys kk·16 … +15 (two 8-key row groups).
@@ -321,13 +334,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) WgmmaRS(o, a[kk], Desc(v_addr + kk * 2048, kPageTokens * 128, 1024));
         WgmmaCommit();
-        if (kOverlap) {
-          if (i + 1 < n_visible) issue_s(i + 1);
-        } else {
-          WgmmaWaitAll();
-          FenceRegs(o);
-          if (i + T::kStages < n_visible) BarArrive(T::kEmptyBar + s, T::kThreads);
-        }
+        if (i + 1 < n_visible) issue_s(i + 1);
       }
       WgmmaWaitAll();
       FenceRegs(o);
@@ -356,17 +363,25 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim>::kThreads, 1) AttentionWgmma
   if (warp_rows > 0) WriteOutputRows<kDim>(p, head, stage_rows, T::kStagePitch, warp_rows, q0 + row_base, lane);
 }
 
-template <int kDim>
+template <int kDim, int kStages>
 int DynamicSmem(int max_page_bytes) {
-  using T = WgmmaTraits<kDim>;
+  using T = WgmmaTraits<kDim, kStages>;
   return T::kAlign + T::kRawOffset + T::kRawStages * 2 * max_page_bytes;
 }
 
-template <int kDim, bool kOverlap>
+// Three decoded stages where they fit beside the static shared memory (~9 KB) in the 227 KB of an
+// SM: every format at d = 64, INT4 and INT8 at d = 128; BF16 pages at d = 128 take two.
+inline constexpr int kMaxDynamicSmem = 216 * 1024;
+template <int kDim>
+int Stages(int max_page_bytes) {
+  return DynamicSmem<kDim, 3>(max_page_bytes) <= kMaxDynamicSmem ? 3 : 2;
+}
+
+template <int kDim, int kStages>
 Error Launch(const AttentionParams& p, cudaStream_t stream) {
-  using T = WgmmaTraits<kDim>;
-  const int smem = DynamicSmem<kDim>(p.max_page_bytes);
-  auto kernel = AttentionWgmmaKernel<kDim, kOverlap>;
+  using T = WgmmaTraits<kDim, kStages>;
+  const int smem = DynamicSmem<kDim, kStages>(p.max_page_bytes);
+  auto kernel = AttentionWgmmaKernel<kDim, kStages>;
   KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>((p.n_q + kTileQueries - 1) / kTileQueries), static_cast<unsigned>(p.kv.n_heads));
   kernel<<<grid, T::kThreads, smem, stream>>>(p);
@@ -374,15 +389,22 @@ Error Launch(const AttentionParams& p, cudaStream_t stream) {
   return Error::Ok();
 }
 
+template <int kDim>
+Error LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
+  return Stages<kDim>(p.max_page_bytes) == 3 ? Launch<kDim, 3>(p, stream) : Launch<kDim, 2>(p, stream);
+}
+
 }  // namespace
 
 int AttentionWgmmaSharedBytes(int head_dim, int max_page_bytes) {
-  return head_dim == 128 ? DynamicSmem<128>(max_page_bytes) : DynamicSmem<64>(max_page_bytes);
+  if (head_dim == 128) {
+    return Stages<128>(max_page_bytes) == 3 ? DynamicSmem<128, 3>(max_page_bytes) : DynamicSmem<128, 2>(max_page_bytes);
+  }
+  return Stages<64>(max_page_bytes) == 3 ? DynamicSmem<64, 3>(max_page_bytes) : DynamicSmem<64, 2>(max_page_bytes);
 }
 
-Error LaunchAttentionWgmma(const AttentionParams& params, bool overlap, cudaStream_t stream) {
-  if (params.kv.head_dim == 128) return overlap ? Launch<128, true>(params, stream) : Launch<128, false>(params, stream);
-  return overlap ? Launch<64, true>(params, stream) : Launch<64, false>(params, stream);
+Error LaunchAttentionWgmma(const AttentionParams& params, cudaStream_t stream) {
+  return params.kv.head_dim == 128 ? LaunchForDim<128>(params, stream) : LaunchForDim<64>(params, stream);
 }
 
 }  // namespace kvpack::cuda

@@ -1,5 +1,5 @@
 // The warp-specialised wgmma attention kernel (attention_wgmma.cu), reached through attention.h's
-// LaunchAttention with AttentionTilingChoice::kWgmma. Internal to kernels/cuda.
+// LaunchAttention with AttentionTilingChoice::kWgmma (the default). Internal to kernels/cuda.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,11 +9,10 @@
 
 namespace kvpack::cuda {
 
-// Dynamic shared memory of one CTA (one CTA per SM): 1 KiB alignment slack, Q, two decoded K/V tile
-// stages and three raw page stages of max_page_bytes each for K and V.
+// Dynamic shared memory of one CTA (one CTA per SM): 1 KiB alignment slack, Q, two or three decoded
+// K/V tile stages and three raw page stages of max_page_bytes each for K and V.
 int AttentionWgmmaSharedBytes(int head_dim, int max_page_bytes);
-// overlap: S of the next page is issued behind P·V of this one (kWgmmaOverlap).
 // REQUIRES: AttentionSupported(params.kv).ok(), params.n_q > 0.
-Error LaunchAttentionWgmma(const AttentionParams& params, bool overlap, cudaStream_t stream);
+Error LaunchAttentionWgmma(const AttentionParams& params, cudaStream_t stream);
 
 }  // namespace kvpack::cuda

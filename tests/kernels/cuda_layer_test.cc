@@ -471,8 +471,8 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
 void RunCaseEachKernel(Case c) {
   const AttentionTilingChoice own = c.tiling;
   RunCase(c);
-  for (AttentionTilingChoice k : {AttentionTilingChoice::kTall, AttentionTilingChoice::kWgmma, AttentionTilingChoice::kWgmmaOverlap}) {
-    if (k == own || (own == AttentionTilingChoice::kAuto && k == AttentionTilingChoice::kWgmmaOverlap)) continue;
+  for (AttentionTilingChoice k : {AttentionTilingChoice::kTall, AttentionTilingChoice::kWgmma}) {
+    if (k == own || (own == AttentionTilingChoice::kAuto && k == AttentionTilingChoice::kWgmma)) continue;
     c.tiling = k;
     RunCase(c);
   }
@@ -541,7 +541,7 @@ TEST(CudaLayer, AutoTilingIsTheWgmmaKernelForEveryPageSize) {
     for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8, PageFormat::kBf16}) {
       AttentionTilingChoice t;
       ASSERT_OK(ResolveAttentionTiling(dim, PageBytes(f, dim), &t));
-      EXPECT_EQ(t, AttentionTilingChoice::kWgmmaOverlap);
+      EXPECT_EQ(t, AttentionTilingChoice::kWgmma);
       EXPECT_LE(AttentionSharedBytes(dim, PageBytes(f, dim), t), 227 * 1024 - 10 * 1024);  // + static, per SM
     }
   }
