@@ -8,8 +8,9 @@
 //     memory), masks and the online softmax in registers, O += P·V (wgmma, P from registers, V from
 //     shared memory), then the epilogue of attention_device.cuh (Rᵀ, +μ_v, bf16 store).
 // Named barriers hand the tiles over: kFullBar + s (producer arrives, consumers wait) and kEmptyBar + s
-// (consumers arrive, producer waits). The consumers never wait for a decode the producer could have
-// done while they multiplied, and the two consumer groups keep the tensor cores busy in turn.
+// (consumers arrive, producer waits). The producer decodes pages ahead while the consumers multiply,
+// and the two consumer groups take turns on the tensor cores. Over INT4/INT8 pages the producer's
+// decode is what limits speed (bench/RESULTS.md, runs 4–5: 270–280 TFLOP/s, 368 over BF16 pages).
 #include "kernels/cuda/attention_wgmma.h"
 
 #include <string>
