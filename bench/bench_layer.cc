@@ -1,7 +1,7 @@
 // bench_layer: one attention layer of the CUDA engine on seeded inputs (bench_inputs.h).
 //
 //   bench_layer --n=32768 --hidden=7168 --heads=56 --dim=128 --format=int4 [--in_place=1] [--reps=3]
-//               [--tp=4096] [--tq=4096] [--tiling=auto|tall|wide] [--rows_out=/tmp/rows.bin] [--gemm=1]
+//               [--tp=4096] [--tq=4096] [--tiling=auto|tall|wide|wgmma] [--rows_out=/tmp/rows.bin] [--gemm=1]
 //
 // Prints one JSON line: median layer time over --reps timed runs (inputs refilled before each, so an
 // in-place run never reads its own output), per-stage times of one instrumented run, attention
@@ -84,13 +84,16 @@ int main(int argc, char** argv) {
 
   cuda::CudaContext ctx;
   std::string tiling = get("tiling", "auto");
-  ctx.attention_tiling = tiling == "wide"   ? cuda::AttentionTilingChoice::kWide
-                         : tiling == "tall" ? cuda::AttentionTilingChoice::kTall
-                                            : cuda::AttentionTilingChoice::kAuto;
+  ctx.attention_tiling = tiling == "wide"    ? cuda::AttentionTilingChoice::kWide
+                         : tiling == "tall"  ? cuda::AttentionTilingChoice::kTall
+                         : tiling == "wgmma" ? cuda::AttentionTilingChoice::kWgmma
+                                             : cuda::AttentionTilingChoice::kAuto;
   if (ctx.attention_tiling == cuda::AttentionTilingChoice::kAuto) {
     cuda::AttentionTilingChoice resolved;
     CHECK_OK(cuda::ResolveAttentionTiling(dim, PageBytes(format, dim), &resolved));
-    tiling = resolved == cuda::AttentionTilingChoice::kWide ? "auto:wide" : "auto:tall";
+    tiling = resolved == cuda::AttentionTilingChoice::kWide    ? "auto:wide"
+             : resolved == cuda::AttentionTilingChoice::kWgmma ? "auto:wgmma"
+                                                               : "auto:tall";
   }
   CHECK_CUDA(cudaStreamCreate(&ctx.stream));
   if (cublasLtCreate(&ctx.blas) != CUBLAS_STATUS_SUCCESS) return 1;

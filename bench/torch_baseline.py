@@ -12,6 +12,7 @@ above the inputs; compute an FP32 reference of 64 sampled output rows and compar
 import argparse
 import json
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +132,9 @@ def main():
             path = f"{args.rows_dir}/rows_{n}_{dim}_{r['format']}_{r['in_place']}.bin"
             if r.get("tiling") == "wide":
                 path = f"{args.rows_dir}/rows_wide.bin"
+            tiled = f"{args.rows_dir}/rows_{n}_{dim}_{r['format']}_{r['in_place']}_{r.get('tiling', '').replace(':', '_')}.bin"
+            if os.path.exists(tiled):  # bench/run_h200.sh attn keeps one file per tiling
+                path = tiled
             try:
                 got = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.bfloat16).view(64, heads * dim)
                 r["err_vs_fp32"] = rel_l2(got.to(dev), ref)
@@ -162,19 +166,19 @@ def main():
         for r in ours + results:
             f.write(json.dumps(r) + "\n")
 
-    print(f"\n{'shape':>22} {'impl':>14} {'layer ms':>9} {'attn ms':>9} {'TFLOP/s':>8} {'peak GiB':>9} "
+    print(f"\n{'shape':>22} {'impl':>22} {'layer ms':>9} {'attn ms':>9} {'TFLOP/s':>8} {'peak GiB':>9} "
           f"{'proj ms':>8} {'1xGEMM':>8} {'rel err':>8}")
     for r in sorted(ours, key=lambda r: (r["n"], r["dim"], r["format"], r["in_place"], r.get("tiling", ""))):
         shape = f"N={r['n']} {r['heads']}x{r['dim']}"
-        impl = f"kvpack {r['format']}{' inpl' if r['in_place'] else ''}{' wide' if r.get('tiling') == 'wide' else ''}"
-        print(f"{shape:>22} {impl:>14} {r['layer_ms']:9.1f} {r['attention_ms']:9.1f} {r['attention_tflops']:8.1f} "
+        impl = f"kvpack {r['format']}{' inpl' if r['in_place'] else ''} {r.get('tiling', '')}"
+        print(f"{shape:>22} {impl:>22} {r['layer_ms']:9.1f} {r['attention_ms']:9.1f} {r['attention_tflops']:8.1f} "
               f"{r['layer_gib']:9.3f} {r['projection_ms']:8.2f} {r['unchunked_gemm_ms']:8.2f} {r.get('err_vs_fp32', float('nan')):8.4f}")
     for r in results:
         shape = f"N={r['n']} {r['heads']}x{r['dim']}"
         if "error" in r:
-            print(f"{shape:>22} {'torch ' + r['backend']:>14}  {r['error']}")
+            print(f"{shape:>22} {'torch ' + r['backend']:>22}  {r['error']}")
             continue
-        print(f"{shape:>22} {'torch ' + r['backend']:>14} {r['layer_ms']:9.1f} {r['attention_ms']:9.1f} "
+        print(f"{shape:>22} {'torch ' + r['backend']:>22} {r['layer_ms']:9.1f} {r['attention_ms']:9.1f} "
               f"{r['attention_tflops']:8.1f} {r['peak_gib']:9.3f} {'':>8} {r['qkv_gemm_ms']:8.2f} {r['err_vs_fp32']:8.4f}")
 
 

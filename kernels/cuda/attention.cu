@@ -1,13 +1,11 @@
 #include "kernels/cuda/attention.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <climits>
 #include <string>
 
 #include "kernels/cuda/cuda_status.h"
-#include "kernels/cuda/warp_row.cuh"
+#include "kernels/cuda/attention_device.cuh"
+#include "kernels/cuda/attention_wgmma.h"
 
 namespace kvpack::cuda {
 namespace {
@@ -38,9 +36,6 @@ struct AttentionTraits {
   static_assert(kWindow % kThreads == 0, "window split evenly");
 };
 // ── PTX wrappers ────────────────────────────────────────────────────────────────────────────────
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -59,19 +54,6 @@ __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SmemAddr(smem)), "l"(gmem));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void CpAsyncWaitOne() { asm volatile("cp.async.wait_group 1;\n" ::); }
-__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::); }
-
-__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ float HalfBits(uint32_t bits) { return __half2float(__ushort_as_half(static_cast<unsigned short>(bits))); }
-
 // ── Page decode: raw page bytes (shared) → bf16 tile [64][kPitch] (shared) ───────────────────────
 // Each thread produces 8 channels (one 16-byte store) per step; slots ≥ n_valid become zeros.
 template <typename T, int kDim>
@@ -79,44 +61,7 @@ __device__ __forceinline__ void DecodePage(const uint8_t* raw, PageFormat format
   constexpr int kUnitsPerRow = kDim / 8;
   for (int u = threadIdx.x; u < kPageTokens * kUnitsPerRow; u += T::kThreads) {
     const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow;
-    uint4 out = make_uint4(0, 0, 0, 0);
-    if (r < n_valid) {
-      if (format == PageFormat::kInt4) {
-        const uint32_t codes = *reinterpret_cast<const uint32_t*>(raw + r * (kDim / 2) + c8 * 4);
-        const uint32_t meta = *reinterpret_cast<const uint32_t*>(raw + MetaOffset(PageFormat::kInt4, kDim) + r * 4);
-        const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
-        float v[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = fmaf(static_cast<float>((codes >> (4 * i)) & 0xfu), scale, lo);
-        out = make_uint4(PackBf16x2(v[0], v[1]), PackBf16x2(v[2], v[3]), PackBf16x2(v[4], v[5]), PackBf16x2(v[6], v[7]));
-      } else if (format == PageFormat::kInt8) {
-        const uint2 codes = *reinterpret_cast<const uint2*>(raw + r * kDim + c8 * 8);
-        const float scale = HalfBits(*reinterpret_cast<const uint16_t*>(raw + MetaOffset(PageFormat::kInt8, kDim) + r * 2));
-        float v[8];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          v[i] = static_cast<float>(static_cast<int8_t>(codes.x >> (8 * i))) * scale;
-          v[4 + i] = static_cast<float>(static_cast<int8_t>(codes.y >> (8 * i))) * scale;
-        }
-        out = make_uint4(PackBf16x2(v[0], v[1]), PackBf16x2(v[2], v[3]), PackBf16x2(v[4], v[5]), PackBf16x2(v[6], v[7]));
-      } else {
-        out = *reinterpret_cast<const uint4*>(raw + r * kDim * 2 + c8 * 16);
-      }
-    }
-    *reinterpret_cast<uint4*>(tile + r * T::kPitch + c8 * 8) = out;
-  }
-}
-
-// Starts the copy of one page's K and V bytes into a raw stage (K at 0, V at max_page_bytes).
-template <typename T, int kDim>
-__device__ __forceinline__ void LoadPageAsync(const AttentionParams& p, int head, int page, uint8_t* stage) {
-  const int bytes = PageBytes(static_cast<PageFormat>(p.kv.pages[page].format), kDim);
-  const int64_t slot = static_cast<int64_t>(head) * p.kv.n_pages + page;
-  const uint8_t* k_src = p.kv.pool + p.kv.k_offsets[slot];
-  const uint8_t* v_src = p.kv.pool + p.kv.v_offsets[slot];
-  for (int i = threadIdx.x * 16; i < bytes; i += T::kThreads * 16) {
-    CpAsync16(stage + i, k_src + i);
-    CpAsync16(stage + p.max_page_bytes + i, v_src + i);
+    *reinterpret_cast<uint4*>(tile + r * T::kPitch + c8 * 8) = DecodeUnit<kDim>(raw, format, n_valid, r, c8);
   }
 }
 
@@ -130,13 +75,8 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const
   uint16_t* k_tile = reinterpret_cast<uint16_t*>(smem + T::kQBytes);          // [64][kPitch] bf16
   uint16_t* v_tile = reinterpret_cast<uint16_t*>(smem + T::kQBytes + T::kTileBytes);
   uint8_t* raw = smem + T::kRawOffset;                                         // [2 stages][K | V]
-  __shared__ int q_seq[kTileQueries];        // sequence id of each query row
-  __shared__ int ent_seq[kTileQueries];      // runs of equal sequence id among the rows …
-  __shared__ int ent_last[kTileQueries];     // … and the last token position of each run
-  __shared__ int n_ent;
-  __shared__ int n_vis;                      // visible pages in the current window
-  __shared__ uint16_t visible[T::kWindow];   // visible pages of the current window (offsets)
-  __shared__ int counts[T::kThreads];
+  __shared__ QueryRuns runs;
+  __shared__ VisibleScratch<T::kThreads, T::kWindow> scratch;
 
   // ── Preconditions and prologue ──────────────────────────────────────────────────────────────
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -154,20 +94,7 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const
     if (r < n_rows) v = *reinterpret_cast<const uint4*>(p.q + (q0 + r) * p.q_stride + head * kDim + c8 * 8);
     *reinterpret_cast<uint4*>(q_tile + r * T::kPitch + c8 * 8) = v;
   }
-  for (int r = tid; r < kTileQueries; r += T::kThreads) {
-    const int rr = r < n_rows ? r : n_rows - 1;  // padding rows copy the last real row (never written)
-    q_seq[r] = p.kv.pages[FindPage(p.kv.pages, n_pages, t0 + rr)].seq_id;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    int n = 0;
-    for (int r = 0; r < n_rows; ++r) {
-      if (n == 0 || q_seq[r] != ent_seq[n - 1]) ent_seq[n++] = q_seq[r];
-      ent_last[n - 1] = static_cast<int>(t0 + r);
-    }
-    n_ent = n;
-  }
-  __syncthreads();
+  FindQueryRuns<T::kThreads>(p, t0, n_rows, runs);
 
   float o[kMTiles][kONTiles][4];  // O rows (g, g+8) of each m-tile × channels (n·8 + 2t, +1)
 #pragma unroll
@@ -179,58 +106,25 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) row_max[mt][0] = row_max[mt][1] = -INFINITY, row_sum[mt][0] = row_sum[mt][1] = 0.0f;
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  const int entries = n_ent;
-
-  auto is_visible = [&](const PageDesc& page) {
-    for (int e = 0; e < entries; ++e) {
-      if (page.seq_id == ent_seq[e] && (!p.causal || page.token_begin <= ent_last[e])) return true;
-    }
-    return false;
-  };
+  const int entries = runs.n;
 
   // ── Main loop: windows of pages, visible pages streamed through two raw stages ─────────────────
   for (int w0 = 0; w0 < n_pages; w0 += T::kWindow) {
     const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
-    constexpr int kPerThread = T::kWindow / T::kThreads;
-    uint32_t mine = 0;  // bit i: page tid·kPerThread + i is visible
-    int count = 0;
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int idx = tid * kPerThread + i;
-      if (idx < wn && is_visible(p.kv.pages[w0 + idx])) mine |= 1u << i, ++count;
-    }
-    counts[tid] = count;
-    __syncthreads();
-    if (tid == 0) {  // exclusive prefix sum, in page order
-      int run = 0;
-      for (int i = 0; i < T::kThreads; ++i) {
-        const int c = counts[i];
-        counts[i] = run;
-        run += c;
-      }
-      n_vis = run;
-    }
-    __syncthreads();
-    int pos = counts[tid];
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      if (mine & (1u << i)) visible[pos++] = static_cast<uint16_t>(tid * kPerThread + i);
-    }
-    const int n_visible = n_vis;
-    __syncthreads();
+    const int n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
     if (n_visible == 0) continue;
 
     // Pipeline: page i+1's raw bytes are in flight while page i is decoded and multiplied.
     const int stage_bytes = 2 * p.max_page_bytes;
-    LoadPageAsync<T, kDim>(p, head, w0 + visible[0], raw);
+    LoadPageAsync<T::kThreads, kDim>(p, head, w0 + scratch.visible[0], raw, tid);
     CpAsyncCommit();
     for (int i = 0; i < n_visible; ++i) {
       // Stage (i+1)&1 held page i−1, decoded before the previous iteration's second barrier.
-      if (i + 1 < n_visible) LoadPageAsync<T, kDim>(p, head, w0 + visible[i + 1], raw + ((i + 1) & 1) * stage_bytes);
+      if (i + 1 < n_visible) LoadPageAsync<T::kThreads, kDim>(p, head, w0 + scratch.visible[i + 1], raw + ((i + 1) & 1) * stage_bytes, tid);
       CpAsyncCommit();
-      CpAsyncWaitOne();
+      CpAsyncWait<1>();
       __syncthreads();  // page i's bytes are here; every warp is done with the previous tiles
-      const PageDesc page = p.kv.pages[w0 + visible[i]];
+      const PageDesc page = p.kv.pages[w0 + scratch.visible[i]];
       const uint8_t* stage = raw + (i & 1) * stage_bytes;
       DecodePage<T, kDim>(stage, static_cast<PageFormat>(page.format), page.n_valid, k_tile);
       DecodePage<T, kDim>(stage + p.max_page_bytes, static_cast<PageFormat>(page.format), page.n_valid, v_tile);
@@ -275,7 +169,7 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const
             for (int e = 0; e < 4; ++e) {
               const int row = row0 + mt * 16 + g + (e >> 1) * 8;
               const int key = n * 8 + 2 * t + (e & 1);
-              const bool ok = key < page.n_valid && q_seq[row] == page.seq_id &&
+              const bool ok = key < page.n_valid && runs.q_seq[row] == page.seq_id &&
                               (!p.causal || page.token_begin + key <= t0 + row);
               if (!ok) s[mt][n][e] = -INFINITY;
             }
@@ -358,22 +252,8 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const
     }
   }
   __syncwarp();
-  constexpr int kPerLane = kDim / 32;
-  const float* mu_v = p.kv.mu_v + head * kDim + lane * kPerLane;
-  const float* lambda_v = p.kv.lambda_v + head * kDim + lane * kPerLane;
-  float sign[kPerLane];
-  LaneSigns(sign, lane, p.kv.seed);
-  for (int rr = 0; rr < T::kRowsPerWarp; ++rr) {
-    const int row = row0 + rr;
-    if (row >= n_rows) break;  // warp-uniform
-    float x[kPerLane];
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) x[i] = stage_rows[rr * T::kStagePitch + lane * kPerLane + i];
-    if (p.kv.rotate) WarpRotateInverse(x, lane, sign);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) x[i] = __fmul_rn(x[i], lambda_v[i]) + mu_v[i];  // no FMA: as the CPU rounds
-    StoreBf16(p.out + (q0 + row) * p.out_stride + head * kDim + lane * kPerLane, x);
-  }
+  const int warp_rows = n_rows - row0 < T::kRowsPerWarp ? n_rows - row0 : T::kRowsPerWarp;
+  if (warp_rows > 0) WriteOutputRows<kDim>(p, head, stage_rows, T::kStagePitch, warp_rows, q0 + row0, lane);
 }
 
 template <int kDim, int kWarps, int kMTiles>
@@ -402,24 +282,20 @@ Error Launch(const AttentionParams& p, cudaStream_t stream) {
   return Error::Ok();
 }
 
-// kTall when two of its CTAs fit on an SM with this entry's raw stages (INT4/INT8 pages), else kWide
-// (BF16 pages make the raw stages 64 KiB at d = 128: one kTall CTA of 4 warps would idle the SM).
-template <int kDim>
-Error Resolve(int max_page_bytes, AttentionTilingChoice* resolved) {
-  KVPACK_RETURN_IF_ERROR((PrepareKernel<kDim, 4, 2>(max_page_bytes)));
-  int blocks = 0;
-  KVPACK_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, AttentionKernel<kDim, 4, 2>, AttentionTraits<kDim, 4, 2>::kThreads, DynamicSmem<kDim, 4, 2>(max_page_bytes)));
-  *resolved = blocks >= 2 ? AttentionTilingChoice::kTall : AttentionTilingChoice::kWide;
-  return Error::Ok();
-}
+// kAuto: the wgmma kernel for every format and head_dim (one CTA of at most ~207 KB of shared
+// memory, BF16 pages at d = 128, always fits an H200 SM); it is the fastest in every measured case.
+AttentionTilingChoice Resolve() { return AttentionTilingChoice::kWgmma; }
 
 // The one place where runtime choices become template arguments.
 template <int kDim>
 Error LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
   AttentionTilingChoice tiling = p.tiling;
-  if (tiling == AttentionTilingChoice::kAuto) KVPACK_RETURN_IF_ERROR(Resolve<kDim>(p.max_page_bytes, &tiling));
-  return tiling == AttentionTilingChoice::kWide ? Launch<kDim, 8, 1>(p, stream) : Launch<kDim, 4, 2>(p, stream);
+  if (tiling == AttentionTilingChoice::kAuto) tiling = Resolve();
+  switch (tiling) {
+    case AttentionTilingChoice::kWide: return Launch<kDim, 8, 1>(p, stream);
+    case AttentionTilingChoice::kWgmma: return LaunchAttentionWgmma(p, stream);
+    default: return Launch<kDim, 4, 2>(p, stream);
+  }
 }
 
 }  // namespace
@@ -432,15 +308,23 @@ Error AttentionSupported(const KvEntryView& kv) {
   return Error::Ok();
 }
 
-int AttentionSharedBytes(int head_dim, int max_page_bytes) {
-  const int raw = 2 * 2 * max_page_bytes;  // 2 stages × (K + V); both tilings share the layout
-  return head_dim == 128 ? AttentionTraits<128, 4, 2>::kRawOffset + raw : AttentionTraits<64, 4, 2>::kRawOffset + raw;
+int AttentionSharedBytes(int head_dim, int max_page_bytes, AttentionTilingChoice tiling) {
+  const int raw = 2 * 2 * max_page_bytes;  // 2 stages × (K + V); kTall and kWide share the layout
+  const int mma_sync = head_dim == 128 ? AttentionTraits<128, 4, 2>::kRawOffset + raw : AttentionTraits<64, 4, 2>::kRawOffset + raw;
+  const int wgmma = AttentionWgmmaSharedBytes(head_dim, max_page_bytes);
+  switch (tiling) {
+    case AttentionTilingChoice::kTall:
+    case AttentionTilingChoice::kWide: return mma_sync;
+    case AttentionTilingChoice::kWgmma: return wgmma;
+    default: return mma_sync > wgmma ? mma_sync : wgmma;
+  }
 }
 
 Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved) {
-  if (head_dim == 128) return Resolve<128>(max_page_bytes, resolved);
-  if (head_dim == 64) return Resolve<64>(max_page_bytes, resolved);
-  return Unsupported("attention: head_dim = " + std::to_string(head_dim));
+  if (head_dim != 64 && head_dim != 128) return Unsupported("attention: head_dim = " + std::to_string(head_dim));
+  (void)max_page_bytes;  // every page size fits the wgmma kernel's one CTA per SM
+  *resolved = Resolve();
+  return Error::Ok();
 }
 
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream) {

@@ -1,13 +1,16 @@
-// Dense attention over packed K/V pages (FlashAttention-2 style), one kernel family.
+// Dense attention over packed K/V pages (FlashAttention style), one kernel family, two kernels.
 //
-// A CTA takes one query tile (kTileQueries = 128 rows of one head; warps × rows per AttentionTilingChoice) and streams the
-// pages of that head that its queries may see through shared memory: cp.async brings page p+1's raw
-// bytes while page p is computed; each page is decoded (INT4 / INT8 / BF16, per page) to a bf16 tile
-// in shared memory once and read by all 8 warps with ldmatrix; S = Q·Kᵀ and O += P·V run on
-// mma.sync m16n8k16 (bf16 in, fp32 accumulate) with the online softmax in fp32 registers. The
-// epilogue un-rotates each output row (Rᵀ, fast Walsh–Hadamard in registers), adds μ_v and writes
-// bf16. Masking: slots past PageDesc::n_valid, keys of other sequences, and (causal) keys after the
-// query; pages that no query of the tile may see are skipped before they are loaded.
+// A CTA takes one query tile (kTileQueries = 128 rows of one head) and streams the pages of that head
+// that its queries may see through shared memory: cp.async brings raw page bytes ahead of use; each
+// page is decoded (INT4 / INT8 / BF16, per page) to a bf16 tile in shared memory once; S = Q·Kᵀ and
+// O += P·V run on the tensor cores (bf16 in, fp32 accumulate) with the online softmax in fp32
+// registers. The epilogue un-rotates each output row (Rᵀ, fast Walsh–Hadamard in registers),
+// multiplies by λ_v, adds μ_v and writes bf16. Masking: slots past PageDesc::n_valid, keys of other sequences, and (causal)
+// keys after the query; pages that no query of the tile may see are skipped before they are loaded.
+//   attention_wgmma.cu (kWgmma, the default): Hopper's wgmma; a producer warp group
+//     decodes pages into a ring of swizzled tiles, two consumer warp groups of 64 rows multiply.
+//   attention.cu (kTall, kWide): mma.sync m16n8k16 from ldmatrix fragments; every warp decodes.
+// attention_device.cuh holds what both share (decode, visibility, the epilogue).
 //
 // Queries are the chunk's tokens: query i of the launch is token q_token_begin + i, with that
 // token's sequence id (looked up in the page table) and position (its token index).
@@ -25,11 +28,13 @@ namespace kvpack::cuda {
 
 inline constexpr int kTileQueries = 128;
 
-// How the 128 query rows of a CTA are split over warps. kTall: 4 warps × 32 rows, two CTAs per SM —
-// every K/V fragment read from shared memory feeds two MMAs (H200, N = 32768, INT4: 200 TFLOP/s).
-// kWide: 8 warps × 16 rows, one CTA per SM (166 TFLOP/s there, but 200 with BF16 pages, whose 64 KiB
-// raw stages leave room for only one kTall CTA: 148). kAuto picks kTall when two of its CTAs fit.
-enum class AttentionTilingChoice : uint8_t { kAuto = 0, kTall = 1, kWide = 2 };
+// Which kernel and warp layout run the 128 query rows of a CTA. kTall: mma.sync, 4 warps × 32 rows,
+// two CTAs per SM — every K/V fragment read from shared memory feeds two MMAs (H200, N = 32768, INT4:
+// 200 TFLOP/s). kWide: mma.sync, 8 warps × 16 rows, one CTA per SM (166 TFLOP/s there, but 200 with
+// BF16 pages, whose 64 KiB raw stages leave room for only one kTall CTA: 148). kWgmma: Hopper's
+// wgmma, one producer warp group decoding pages and two consumer warp groups of 64 rows
+// (attention_wgmma.cu; bench/RESULTS.md run 4). kAuto picks kWgmma.
+enum class AttentionTilingChoice : uint8_t { kAuto = 0, kTall = 1, kWide = 2, kWgmma = 3 };
 
 struct AttentionParams {
   const uint16_t* q = nullptr;   // bf16 [n_q, H·d], rotated and balanced (R·(q⊙λ))
@@ -38,7 +43,7 @@ struct AttentionParams {
   int64_t n_q = 0;
   uint16_t* out = nullptr;       // bf16 rows of n_q tokens, head h at columns h·d …
   int64_t out_stride = 0;
-  KvEntryView kv;                // device view (pages, offsets, μ_v, seed, rotate)
+  KvEntryView kv;                // device view (pages, offsets, μ_v, λ_v, seed, rotate)
   float softmax_scale = 0.0f;    // already resolved (1/√d when the option is 0)
   bool causal = false;
   int max_page_bytes = 0;        // largest page of the entry's formats (sizes the raw stages)
@@ -47,10 +52,10 @@ struct AttentionParams {
 
 // OK for head_dim 64 / 128 and a non-empty entry.
 Error AttentionSupported(const KvEntryView& kv);
-// Bytes of dynamic shared memory one CTA uses (part of Launch's answer to the planner; no global
-// workspace is needed).
-int AttentionSharedBytes(int head_dim, int max_page_bytes);
-// What kAuto becomes for an entry whose largest page has max_page_bytes (asks the occupancy API).
+// Bytes of dynamic shared memory one CTA of `tiling` uses (part of Launch's answer to the planner;
+// no global workspace is needed). kAuto: the largest of the choices.
+int AttentionSharedBytes(int head_dim, int max_page_bytes, AttentionTilingChoice tiling = AttentionTilingChoice::kAuto);
+// What kAuto becomes for an entry whose largest page has max_page_bytes.
 Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved);
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream);
 

@@ -48,7 +48,7 @@ struct CudaContext {
   cudaStream_t stream = nullptr;      // every launch and copy goes here
   cublasLtHandle_t blas = nullptr;    // REQUIRES: created by the caller (cublasLtCreate)
   StageTimes* times = nullptr;        // optional; filled (accumulated) when non-null, synchronises
-  // The attention kernel's warp tiling (attention.h); every choice computes the same function.
+  // Which attention kernel and warp layout (attention.h); every choice computes the same function.
   AttentionTilingChoice attention_tiling = AttentionTilingChoice::kAuto;
 };
 

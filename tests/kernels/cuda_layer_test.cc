@@ -90,7 +90,7 @@ struct Case {
   bool transforms = true;
   int64_t projection_chunk = 4096, query_chunk = 4096;
   uint64_t seed = 1;
-  AttentionTilingChoice tiling = AttentionTilingChoice::kTall;  // both tilings are tested explicitly
+  AttentionTilingChoice tiling = AttentionTilingChoice::kAuto;  // RunCaseEachKernel adds the others
 };
 
 float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
@@ -475,15 +475,26 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
   std::vector<double> cpu_ref(n * hd);
   for (int64_t i = 0; i < n * hd; ++i) cpu_ref[i] = Bf16ToFloat(cpu_out[i]);
   const double err_cpu = RelL2(got, cpu_ref), cpu_exact = RelL2(std::vector<float>(cpu_ref.begin(), cpu_ref.end()), exact);
-  std::printf("[%s] rel L2 vs FP64 over decoded pages: %.5f (tol %.3f); vs cpu::RunLayer: %.5f (tol %.3f); "
+  std::printf("[%s, tiling %d] rel L2 vs FP64 over decoded pages: %.5f (tol %.3f); vs cpu::RunLayer: %.5f (tol %.3f); "
               "vs FP64 unquantized: %.5f (tol %.3f; the CPU backend's: %.5f)\n",
-              c.name, err_decoded, kDecodedRelL2, err_cpu, kCpuRelL2, err_exact, WorstTolerance(c.ranges), cpu_exact);
+              c.name, static_cast<int>(c.tiling), err_decoded, kDecodedRelL2, err_cpu, kCpuRelL2, err_exact, WorstTolerance(c.ranges), cpu_exact);
   EXPECT_LE(err_cpu, kCpuRelL2);
   EXPECT_LE(err_decoded, kDecodedRelL2);
   if (check_exact) {
     EXPECT_LE(err_exact, WorstTolerance(c.ranges));
   }
   if (errors) *errors = {err_decoded, err_exact};
+}
+
+// Runs the case with its own tiling choice (kAuto: the default kernel) and again with every other one.
+void RunCaseEachKernel(Case c) {
+  const AttentionTilingChoice own = c.tiling;
+  RunCase(c);
+  for (AttentionTilingChoice k : {AttentionTilingChoice::kTall, AttentionTilingChoice::kWgmma}) {
+    if (k == own || (own == AttentionTilingChoice::kAuto && k == AttentionTilingChoice::kWgmma)) continue;
+    c.tiling = k;
+    RunCase(c);
+  }
 }
 
 TEST(CudaLayer, RejectsWhatTheGpuCannotRun) {
@@ -548,22 +559,23 @@ TEST(CudaLayer, CancelStopsBetweenChunks) {
   cudaStreamDestroy(ctx.stream);
 }
 
-TEST(CudaLayer, AutoTilingPrefersTallUnlessBf16PagesCrowdTheSm) {
+TEST(CudaLayer, AutoTilingIsTheWgmmaKernelForEveryPageSize) {
   SKIP_WITHOUT_GPU();
-  AttentionTilingChoice t;
-  ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kInt4, 128), &t));
-  EXPECT_EQ(t, AttentionTilingChoice::kTall);
-  ASSERT_OK(ResolveAttentionTiling(64, PageBytes(PageFormat::kBf16, 64), &t));
-  EXPECT_EQ(t, AttentionTilingChoice::kTall);
-  ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kBf16, 128), &t));
-  EXPECT_EQ(t, AttentionTilingChoice::kWide);
+  for (int dim : {64, 128}) {
+    for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8, PageFormat::kBf16}) {
+      AttentionTilingChoice t;
+      ASSERT_OK(ResolveAttentionTiling(dim, PageBytes(f, dim), &t));
+      EXPECT_EQ(t, AttentionTilingChoice::kWgmma);
+      EXPECT_LE(AttentionSharedBytes(dim, PageBytes(f, dim), t), 227 * 1024 - 10 * 1024);  // + static, per SM
+    }
+  }
 }
 
 TEST(CudaLayer, Int4OneSequence) {
   SKIP_WITHOUT_GPU();
   Case c{"int4 N=1000 d=128", 1000, 256, 2, 128, {{0, 1000, 0, PageFormat::kInt4}}};
   c.seed = 11;
-  RunCase(c);
+  RunCaseEachKernel(c);
 }
 
 TEST(CudaLayer, MixedFormatsSequencesCausalRopeNormInPlace) {
@@ -579,7 +591,7 @@ TEST(CudaLayer, MixedFormatsSequencesCausalRopeNormInPlace) {
   c.rope = RopeLayout::kSplitHalves, c.rope_axes = 3, c.axis_dims[0] = 16, c.axis_dims[1] = 24, c.axis_dims[2] = 24;
   c.projection_chunk = 1000, c.query_chunk = 1500;
   c.seed = 12;
-  RunCase(c);
+  RunCaseEachKernel(c);
 }
 
 TEST(CudaLayer, MixedFormatsWideTiling) {
@@ -593,7 +605,7 @@ TEST(CudaLayer, MixedFormatsWideTiling) {
   c.causal = true;
   c.tiling = AttentionTilingChoice::kWide;
   c.seed = 17;
-  RunCase(c);
+  RunCaseEachKernel(c);
 }
 
 TEST(CudaLayer, Int8InterleavedRopeOddChunks) {
@@ -602,7 +614,7 @@ TEST(CudaLayer, Int8InterleavedRopeOddChunks) {
   c.rope = RopeLayout::kInterleaved, c.rope_axes = 1, c.axis_dims[0] = 64;
   c.projection_chunk = 513, c.query_chunk = 700;
   c.seed = 13;
-  RunCase(c);
+  RunCaseEachKernel(c);
 }
 
 TEST(CudaLayer, Bf16CausalTwoSequences) {
@@ -610,7 +622,7 @@ TEST(CudaLayer, Bf16CausalTwoSequences) {
   Case c{"bf16 N=777 d=64", 777, 128, 2, 64, {{0, 301, 4, PageFormat::kBf16}, {301, 777, 9, PageFormat::kBf16}}};
   c.causal = true, c.bias = false;
   c.seed = 14;
-  RunCase(c);
+  RunCaseEachKernel(c);
 }
 
 // On data with channel offsets and outlier channels, INT4 without smoothing, balancing and rotation
@@ -633,7 +645,7 @@ TEST(CudaLayer, Int4ThreeSequencesNonCausal) {
   c.norm = true;
   c.query_chunk = 1024;
   c.seed = 16;
-  RunCase(c);
+  RunCaseEachKernel(c);
 }
 
 }  // namespace

@@ -1,0 +1,18 @@
+// The warp-specialised wgmma attention kernel (attention_wgmma.cu), reached through attention.h's
+// LaunchAttention with AttentionTilingChoice::kWgmma (the default). Internal to kernels/cuda.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/error.h"
+
+namespace kvpack::cuda {
+
+// Dynamic shared memory of one CTA (one CTA per SM): 1 KiB alignment slack, Q, two or three decoded
+// K/V tile stages and three raw page stages of max_page_bytes each for K and V.
+int AttentionWgmmaSharedBytes(int head_dim, int max_page_bytes);
+// REQUIRES: AttentionSupported(params.kv).ok(), params.n_q > 0.
+Error LaunchAttentionWgmma(const AttentionParams& params, cudaStream_t stream);
+
+}  // namespace kvpack::cuda
