@@ -36,8 +36,16 @@ kill -TERM $pid; wait $pid
 echo "kvpackd exit $?" | tee -a "$OUT/daemon_summary.txt"
 
 for args in "--n=32768 --in_place=0" "--n=152263 --in_place=0" "--n=152263 --in_place=1"; do
+  n=$(echo "$args" | sed 's/--n=\([0-9]*\).*/\1/'); ip=${args: -1}
   "$B/bin/bench_layer" --hidden=7168 --heads=56 --dim=128 --format=int4 --reps=2 --gemm=0 $args \
-    2>>"$OUT/direct.err" | tee -a "$OUT/direct.jsonl"
+    --rows_out=/tmp/rows_${n}_128_int4_${ip}.bin 2>>"$OUT/direct.err" | tee -a "$OUT/direct.jsonl"
 done
+# TORCH=1: PyTorch (x @ Wqkv.T + SDPA, cuDNN and FlashAttention) on the same seeded inputs, same run.
+if [ "${TORCH:-0}" = 1 ]; then
+  grep '"in_place": 0' "$OUT/direct.jsonl" >"$OUT/direct_out.jsonl"
+  python3 "$(dirname "$0")/torch_baseline.py" --kvpack "$OUT/direct_out.jsonl" --rows_dir /tmp --out "$OUT/torch.jsonl" \
+    2>"$OUT/torch.err" | tee -a "$OUT/daemon_summary.txt"
+  tail -3 "$OUT/torch.err"
+fi
 tail -3 "$OUT/daemon_bench.err" "$OUT/direct.err" 2>/dev/null
 cat "$OUT/metrics.txt" | head -20
