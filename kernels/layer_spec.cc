@@ -130,11 +130,29 @@ namespace {
 
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
+constexpr uint64_t kTableAlign = 256;
+
+// The table offsets of a block whose pages take `page_bytes`: everything of KvLayout but the
+// per-page vectors, so KvLayoutBytes needs no O(H·P) work.
+void PlaceTables(uint64_t page_bytes, uint64_t n_pages, const LayerShape& shape, KvLayout* layout) {
+  const uint64_t heads = static_cast<uint64_t>(shape.n_heads);
+  const uint64_t stats_bytes = heads * shape.head_dim * sizeof(float);
+  layout->page_bytes = page_bytes;
+  layout->pages_offset = AlignUp(page_bytes, kTableAlign);
+  layout->k_offsets_offset = AlignUp(layout->pages_offset + n_pages * sizeof(PageDesc), kTableAlign);
+  layout->v_offsets_offset = AlignUp(layout->k_offsets_offset + heads * n_pages * sizeof(uint64_t), kTableAlign);
+  layout->mu_k_offset = AlignUp(layout->v_offsets_offset + heads * n_pages * sizeof(uint64_t), kTableAlign);
+  layout->mu_v_offset = AlignUp(layout->mu_k_offset + stats_bytes, kTableAlign);
+  layout->lambda_offset = AlignUp(layout->mu_v_offset + stats_bytes, kTableAlign);
+  layout->lambda_v_offset = AlignUp(layout->lambda_offset + stats_bytes, kTableAlign);
+  layout->total_bytes = AlignUp(layout->lambda_v_offset + stats_bytes, kTableAlign);
+}
+
 }  // namespace
 
+// Every page size is 64·(row bytes), a multiple of 128, so pages packed back to back stay 128-byte
+// aligned and the page bytes are a plain sum (static_asserts in format.h for the GPU head dims).
 KvLayout PlanKvLayout(const LayerShape& shape, const std::vector<TokenRange>& ranges) {
-  constexpr uint64_t kPageAlign = 128;
-  constexpr uint64_t kTableAlign = 256;
   KvLayout layout;
   layout.pages = BuildPageLayout(ranges);
   const uint64_t n_pages = layout.pages.size();
@@ -146,22 +164,24 @@ KvLayout PlanKvLayout(const LayerShape& shape, const std::vector<TokenRange>& ra
     for (uint64_t h = 0; h < heads; ++h) {
       for (uint64_t p = 0; p < n_pages; ++p) {
         (*offsets)[h * n_pages + p] = offset;
-        offset = AlignUp(offset + PageBytes(static_cast<PageFormat>(layout.pages[p].format), shape.head_dim),
-                         kPageAlign);
+        offset += PageBytes(static_cast<PageFormat>(layout.pages[p].format), shape.head_dim);
       }
     }
   }
-  layout.page_bytes = offset;
-  const uint64_t stats_bytes = heads * shape.head_dim * sizeof(float);
-  layout.pages_offset = AlignUp(offset, kTableAlign);
-  layout.k_offsets_offset = AlignUp(layout.pages_offset + n_pages * sizeof(PageDesc), kTableAlign);
-  layout.v_offsets_offset = AlignUp(layout.k_offsets_offset + heads * n_pages * sizeof(uint64_t), kTableAlign);
-  layout.mu_k_offset = AlignUp(layout.v_offsets_offset + heads * n_pages * sizeof(uint64_t), kTableAlign);
-  layout.mu_v_offset = AlignUp(layout.mu_k_offset + stats_bytes, kTableAlign);
-  layout.lambda_offset = AlignUp(layout.mu_v_offset + stats_bytes, kTableAlign);
-  layout.lambda_v_offset = AlignUp(layout.lambda_offset + stats_bytes, kTableAlign);
-  layout.total_bytes = AlignUp(layout.lambda_v_offset + stats_bytes, kTableAlign);
+  PlaceTables(offset, n_pages, shape, &layout);
   return layout;
+}
+
+uint64_t KvLayoutBytes(const LayerShape& shape, const std::vector<TokenRange>& ranges) {
+  uint64_t n_pages = 0, head_page_bytes = 0;
+  for (const TokenRange& r : ranges) {
+    const uint64_t pages = static_cast<uint64_t>((r.end - r.begin + kPageTokens - 1) / kPageTokens);
+    n_pages += pages;
+    head_page_bytes += pages * PageBytes(r.format, shape.head_dim);
+  }
+  KvLayout layout;
+  PlaceTables(2 * static_cast<uint64_t>(shape.n_heads) * head_page_bytes, n_pages, shape, &layout);
+  return layout.total_bytes;
 }
 
 void WriteKvTables(const KvLayout& layout, uint8_t* tables) {

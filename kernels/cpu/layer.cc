@@ -116,7 +116,7 @@ Error Supported(const LayerConfig& config) {
 
 uint64_t KvBytes(const LayerConfig& config) {
   if (!Supported(config).ok()) return 0;
-  return PlanKvLayout(config.shape, config.ranges).total_bytes;
+  return KvLayoutBytes(config.shape, config.ranges);
 }
 
 uint64_t WorkspaceBytes(const LayerConfig& config) {

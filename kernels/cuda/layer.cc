@@ -190,7 +190,7 @@ Error Supported(const LayerConfig& c) {
   return Error::Ok();
 }
 
-uint64_t KvBytes(const LayerConfig& c) { return PlanKvLayout(c.shape, c.ranges).total_bytes; }
+uint64_t KvBytes(const LayerConfig& c) { return KvLayoutBytes(c.shape, c.ranges); }
 
 uint64_t WorkspaceBytes(const LayerConfig& c) { return kBlasWorkspaceBytes + MainRegionBytes(c); }
 

@@ -35,26 +35,11 @@ Engine::~Engine() {
   registry_.Clear();
 }
 
-uint64_t Engine::CachedKvBytes(const LayerConfig& config) const {
-  // The key is everything the packed layout depends on: shape and each range's bounds and format.
-  std::string key = absl::StrCat(config.shape.n_tokens, "/", config.shape.n_heads, "/", config.shape.head_dim);
-  for (const TokenRange& r : config.ranges) absl::StrAppend(&key, ",", r.begin, ":", r.end, ":", static_cast<int>(r.format));
-  {
-    std::lock_guard<std::mutex> lock(kv_cache_mu_);
-    if (auto it = kv_cache_.find(key); it != kv_cache_.end()) return it->second;
-  }
-  const uint64_t bytes = backend_->KvBytes(config);
-  std::lock_guard<std::mutex> lock(kv_cache_mu_);
-  if (kv_cache_.size() >= kKvCacheEntries) kv_cache_.clear();
-  kv_cache_.emplace(std::move(key), bytes);
-  return bytes;
-}
-
 PlannerCosts Engine::Costs() const {
   PlannerCosts costs;
   Backend* b = backend_.get();
   costs.supported = [b](const LayerConfig& c) { return b->Supported(c); };
-  costs.kv_bytes = [this](const LayerConfig& c) { return CachedKvBytes(c); };
+  costs.kv_bytes = [b](const LayerConfig& c) { return b->KvBytes(c); };
   costs.workspace_bytes = [b](const LayerConfig& c) { return b->WorkspaceBytes(c); };
   costs.io_bytes = [b](const LayerConfig& c, const TensorResidency& r) { return b->IoBytes(c, r); };
   return costs;

@@ -112,9 +112,6 @@ class Engine {
   bool Healthy() const { return backend_->Healthy(); }
 
  private:
-  // Backend KvBytes, remembered: the same layer is planned every diffusion step, and laying out
-  // every page of every head costs ~1 ms at N = 152k, H = 56.
-  uint64_t CachedKvBytes(const LayerConfig& config) const;
   void Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reservation);
   absl::Status StageOnDevice(LayerJob& job, Pool::Reservation& reservation, LayerTensors* tensors, Pool::Lease* io,
                              uint16_t** host_out);
@@ -132,9 +129,6 @@ class Engine {
   Registry registry_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<Metrics> metrics_;
-  static constexpr size_t kKvCacheEntries = 256;
-  mutable std::mutex kv_cache_mu_;
-  mutable std::map<std::string, uint64_t> kv_cache_;
   mutable std::mutex mu_;
   std::map<std::string, int> running_;  // by tenant
   std::map<std::string, uint64_t> claimed_;  // by tenant: predicted peaks of admitted jobs (quota)

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
+
 namespace kvpack {
 namespace {
 
@@ -102,6 +104,28 @@ TEST(KvLayout, PagesThenTablesAligned) {
   EXPECT_EQ(view.v_offsets[7], layout.v_offsets[7]);
   EXPECT_EQ(reinterpret_cast<const uint8_t*>(view.lambda), block.data() + layout.lambda_offset);
   EXPECT_EQ(reinterpret_cast<const uint8_t*>(view.lambda_v), block.data() + layout.lambda_v_offset);
+}
+
+}  // namespace
+}  // namespace kvpack
+
+namespace kvpack {
+namespace {
+
+TEST(KvLayout, BytesWithoutTablesEqualTheFullLayout) {
+  std::mt19937_64 rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int d = 16 << (trial % 5);
+    const LayerShape shape{0, 64, 1 + static_cast<int>(rng() % 7), d};
+    std::vector<TokenRange> ranges;
+    int64_t begin = 0;
+    for (int r = 0, n = 1 + static_cast<int>(rng() % 5); r < n; ++r) {
+      const int64_t len = 1 + static_cast<int64_t>(rng() % 300);
+      ranges.push_back({begin, begin + len, r % 2, static_cast<PageFormat>(rng() % kNumPageFormats)});
+      begin += len;
+    }
+    EXPECT_EQ(KvLayoutBytes(shape, ranges), PlanKvLayout(shape, ranges).total_bytes) << "trial " << trial;
+  }
 }
 
 }  // namespace

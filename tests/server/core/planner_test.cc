@@ -13,7 +13,7 @@ namespace {
 // Workspace model for the tests: 4 bytes per (chunk token, qkv column), like an fp32 GEMM tile.
 PlannerCosts TestCosts() {
   PlannerCosts costs;
-  costs.kv_bytes = [](const LayerConfig& c) { return PlanKvLayout(c.shape, c.ranges).total_bytes; };
+  costs.kv_bytes = [](const LayerConfig& c) { return KvLayoutBytes(c.shape, c.ranges); };
   costs.workspace_bytes = [](const LayerConfig& c) {
     return static_cast<uint64_t>(c.projection_chunk) * static_cast<uint64_t>(c.shape.QkvCols()) * 4;
   };
