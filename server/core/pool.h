@@ -11,8 +11,8 @@
 //
 // Accounting is in units of kPoolGranule bytes (PoolBytes rounds up), so the planner can predict
 // what the pool will count. Where the bytes live is the Arena's business: host memory on the CPU
-// backend; on the GPU a VMM arena (reserved address space, 2 MiB physical chunks mapped on demand,
-// per-format page-size classes) plugs in behind the same interface.
+// backend; on the GPU a VMM arena (server/backends/vmm_arena.h: reserved address space, 2 MiB
+// physical chunks mapped on demand) behind the same interface.
 //
 // Thread safety: every method is thread-safe. Leases and reservations must not outlive their pool.
 #pragma once
