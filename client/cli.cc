@@ -174,16 +174,7 @@ void PrintPlan(const v1::PlanResult& p, const v1::LayerHeader& h) {
 }
 
 absl::StatusOr<std::string> Register(Client& c, const SyntheticLayer& L) {
-  WeightsData w;
-  w.hidden = L.spec.hidden;
-  w.n_heads = L.spec.n_heads;
-  w.head_dim = L.spec.head_dim;
-  w.w_qkv = L.w_qkv.data();
-  w.bias = L.bias.empty() ? nullptr : L.bias.data();
-  w.q_norm = L.q_norm.empty() ? nullptr : L.q_norm.data();
-  w.k_norm = L.k_norm.empty() ? nullptr : L.k_norm.data();
-  w.norm_len = static_cast<int>(L.q_norm.size());
-  absl::StatusOr<v1::WeightsResponse> r = c.RegisterWeights(w);
+  absl::StatusOr<v1::WeightsResponse> r = c.RegisterWeights(WeightsOf(L));
   if (!r.ok()) return r.status();
   return r->handle();
 }

@@ -118,6 +118,19 @@ SyntheticLayer MakeSyntheticLayer(const SyntheticSpec& spec_in) {
   return L;
 }
 
+WeightsData WeightsOf(const SyntheticLayer& L) {
+  WeightsData w;
+  w.hidden = L.spec.hidden;
+  w.n_heads = L.spec.n_heads;
+  w.head_dim = L.spec.head_dim;
+  w.w_qkv = L.w_qkv.data();
+  w.bias = L.bias.empty() ? nullptr : L.bias.data();
+  w.q_norm = L.q_norm.empty() ? nullptr : L.q_norm.data();
+  w.k_norm = L.k_norm.empty() ? nullptr : L.k_norm.data();
+  w.norm_len = static_cast<int>(L.q_norm.size());
+  return w;
+}
+
 absl::StatusOr<std::vector<uint16_t>> ReferenceOutput(const SyntheticLayer& L, const v1::PlanResult& plan) {
   const SyntheticSpec& spec = L.spec;
   LayerConfig config;

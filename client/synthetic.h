@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "client/client.h"
 #include "kernels/layer_spec.h"
 #include "kvpack/v1/kvpack.pb.h"
 
@@ -48,6 +49,9 @@ struct SyntheticLayer {
 };
 
 SyntheticLayer MakeSyntheticLayer(const SyntheticSpec& spec);
+
+// The layer's weights as RegisterWeights takes them (pointers into `layer`, which must outlive them).
+WeightsData WeightsOf(const SyntheticLayer& layer);
 
 // The layer run locally by the CPU reference with the formats and chunk sizes of `plan`.
 absl::StatusOr<std::vector<uint16_t>> ReferenceOutput(const SyntheticLayer& layer, const v1::PlanResult& plan);

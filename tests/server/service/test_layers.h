@@ -27,18 +27,7 @@ inline client::SyntheticSpec SmallSpec(uint64_t seed = 7) {
   return s;
 }
 
-inline client::WeightsData WeightsOf(const client::SyntheticLayer& L) {
-  client::WeightsData w;
-  w.hidden = L.spec.hidden;
-  w.n_heads = L.spec.n_heads;
-  w.head_dim = L.spec.head_dim;
-  w.w_qkv = L.w_qkv.data();
-  w.bias = L.bias.empty() ? nullptr : L.bias.data();
-  w.q_norm = L.q_norm.empty() ? nullptr : L.q_norm.data();
-  w.k_norm = L.k_norm.empty() ? nullptr : L.k_norm.data();
-  w.norm_len = static_cast<int>(L.q_norm.size());
-  return w;
-}
+using client::WeightsOf;
 
 inline client::LayerData DataOf(const client::SyntheticLayer& L, std::vector<uint16_t>* out) {
   out->assign(L.out_bytes() / 2, 0);
