@@ -58,6 +58,7 @@ class VmmArena final : public Arena {
   }
 
   void* Allocate(uint64_t bytes) override {
+    if (bytes == 0) return nullptr;
     std::lock_guard<std::mutex> lock(mu_);
     auto span = free_spans_.begin();
     while (span != free_spans_.end() && span->second < bytes) ++span;
