@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "server/service/convert.h"
 #include "server/service/service.h"
+#include "server/service/upload.h"
 
 namespace kvpack::server {
 namespace {
@@ -60,14 +61,9 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       OnUploadComplete();
       return;
     }
-    absl::Status s;
-    if (in_.has_header()) {
-      s = have_header_ ? absl::InvalidArgumentError("header: sent twice") : OnHeader(in_.header());
-    } else if (in_.has_chunk()) {
-      s = have_header_ ? OnChunk(in_.chunk()) : absl::InvalidArgumentError("header: must come before any chunk");
-    } else {
-      s = absl::InvalidArgumentError("message: neither header nor chunk");
-    }
+    const absl::Status s = DispatchUpload(
+        in_, have_header_, [this](const v1::LayerHeader& h) { return OnHeader(h); },
+        [this](const v1::TensorChunk& c) { return OnChunk(c); });
     if (!s.ok()) {
       FinishOnce(s);
       return;

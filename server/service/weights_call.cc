@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/service/service.h"
+#include "server/service/upload.h"
 
 namespace kvpack::server {
 namespace {
@@ -38,14 +39,9 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
       OnUploadComplete();
       return;
     }
-    absl::Status s;
-    if (in_.has_header()) {
-      s = entry_ ? absl::InvalidArgumentError("header: sent twice") : OnHeader(in_.header());
-    } else if (in_.has_chunk()) {
-      s = entry_ ? OnChunk(in_.chunk()) : absl::InvalidArgumentError("header: must come before any chunk");
-    } else {
-      s = absl::InvalidArgumentError("message: neither header nor chunk");
-    }
+    const absl::Status s = DispatchUpload(
+        in_, entry_ != nullptr, [this](const v1::WeightsHeader& h) { return OnHeader(h); },
+        [this](const v1::TensorChunk& c) { return OnChunk(c); });
     if (!s.ok()) {
       FinishOnce(s);
       return;

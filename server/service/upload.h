@@ -1,0 +1,25 @@
+// The client-streamed upload protocol shared by RegisterWeights and the layer calls: a header
+// message first, then chunks of the inline tensors it announced.
+#pragma once
+
+#include <utility>
+
+#include "absl/status/status.h"
+
+namespace kvpack::server {
+
+// Routes one received message to `on_header` or `on_chunk`, rejecting a second header, a chunk
+// before the header, and a message that is neither. `Message` is a proto with a `header`/`chunk`
+// oneof (v1::WeightsRequest, v1::LayerRequest).
+template <typename Message, typename OnHeader, typename OnChunk>
+absl::Status DispatchUpload(const Message& in, bool have_header, OnHeader&& on_header, OnChunk&& on_chunk) {
+  if (in.has_header()) {
+    return have_header ? absl::InvalidArgumentError("header: sent twice") : on_header(in.header());
+  }
+  if (in.has_chunk()) {
+    return have_header ? on_chunk(in.chunk()) : absl::InvalidArgumentError("header: must come before any chunk");
+  }
+  return absl::InvalidArgumentError("message: neither header nor chunk");
+}
+
+}  // namespace kvpack::server
