@@ -46,6 +46,8 @@ uint64_t MainRegionBytes(const LayerConfig& c) {
   return std::max({projection, query, stats});
 }
 
+float* Slot(const CudaContext& ctx, float StageTimes::*member) { return ctx.times ? &(ctx.times->*member) : nullptr; }
+
 // Events around the launches of one stage; summed into StageTimes at Finish().
 class StageClock {
  public:
@@ -55,18 +57,13 @@ class StageClock {
   ~StageClock() {
     for (auto& m : marks_) cudaEventDestroy(m.first), cudaEventDestroy(m.second.first);
   }
-  // Records the start of a stage; returns an id for Stop.
-  Error Start(float* slot) {
-    if (!ctx_.times) return Error::Ok();
-    cudaEvent_t a, b;
-    KVPACK_CUDA_RETURN(cudaEventCreate(&a));
-    KVPACK_CUDA_RETURN(cudaEventCreate(&b));
-    marks_.push_back({a, {b, slot}});
-    return CudaError(cudaEventRecord(a, ctx_.stream), "cudaEventRecord");
-  }
-  Error Stop() {
-    if (!ctx_.times) return Error::Ok();
-    return CudaError(cudaEventRecord(marks_.back().second.first, ctx_.stream), "cudaEventRecord");
+  // Runs `launch` (which enqueues work on the stream) between two events whose interval Finish adds
+  // to `stage` of ctx.times; without ctx.times it only runs `launch`.
+  template <typename Launch>
+  Error Time(float StageTimes::*stage, Launch&& launch) {
+    KVPACK_RETURN_IF_ERROR(Start(Slot(ctx_, stage)));
+    KVPACK_RETURN_IF_ERROR(launch());
+    return Stop();
   }
   Error Finish() {
     if (!ctx_.times) return Error::Ok();
@@ -80,11 +77,22 @@ class StageClock {
   }
 
  private:
+  Error Start(float* slot) {
+    if (!ctx_.times) return Error::Ok();
+    cudaEvent_t a, b;
+    KVPACK_CUDA_RETURN(cudaEventCreate(&a));
+    KVPACK_CUDA_RETURN(cudaEventCreate(&b));
+    marks_.push_back({a, {b, slot}});
+    return CudaError(cudaEventRecord(a, ctx_.stream), "cudaEventRecord");
+  }
+  Error Stop() {
+    if (!ctx_.times) return Error::Ok();
+    return CudaError(cudaEventRecord(marks_.back().second.first, ctx_.stream), "cudaEventRecord");
+  }
+
   const CudaContext& ctx_;
   std::vector<std::pair<cudaEvent_t, std::pair<cudaEvent_t, float*>>> marks_;
 };
-
-float* Slot(const CudaContext& ctx, float StageTimes::*member) { return ctx.times ? &(ctx.times->*member) : nullptr; }
 
 // The parts of a row epilogue that come from the config and tensors.
 RowEpilogueParams BaseRowParams(const LayerConfig& c, const LayerTensors& t) {
@@ -222,9 +230,8 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
     KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.lambda_v_offset, c.stats->lambda_v.data(), bytes, cudaMemcpyHostToDevice,
                                        ctx.stream));
   } else {
-    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::stats_ms)));
-    KVPACK_RETURN_IF_ERROR(ComputeStatsOnDevice(c, t, layout, kv, main, gemm, ctx));
-    KVPACK_RETURN_IF_ERROR(clock.Stop());
+    KVPACK_RETURN_IF_ERROR(
+        clock.Time(&StageTimes::stats_ms, [&] { return ComputeStatsOnDevice(c, t, layout, kv, main, gemm, ctx); }));
   }
 
   // ── Streamed projection: per chunk one GEMM into [Tp, 2·H·d] bf16, one fused epilogue ─────────
@@ -244,13 +251,10 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
     g.b = t.w_qkv + hd * hidden, g.ldb = hidden;
     g.c = projected, g.ldc = 2 * hd;
     g.m = rows, g.n = 2 * hd, g.k = hidden;
-    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::kv_gemm_ms)));
-    KVPACK_RETURN_IF_ERROR(gemm.Run(g, ctx.stream));
-    KVPACK_RETURN_IF_ERROR(clock.Stop());
+    KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::kv_gemm_ms, [&] { return gemm.Run(g, ctx.stream); }));
     p.n_rows = rows, p.token_begin = t0;
-    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::kv_epilogue_ms)));
-    KVPACK_RETURN_IF_ERROR(LaunchRowEpilogue(RowMode::kPackKv, p, ctx.stream));
-    KVPACK_RETURN_IF_ERROR(clock.Stop());
+    KVPACK_RETURN_IF_ERROR(
+        clock.Time(&StageTimes::kv_epilogue_ms, [&] { return LaunchRowEpilogue(RowMode::kPackKv, p, ctx.stream); }));
   }
   return clock.Finish();
 }
@@ -291,20 +295,15 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
     g.b = t.w_qkv, g.ldb = hidden;  // rows [q] of W
     g.c = q, g.ldc = hd;
     g.m = rows, g.n = hd, g.k = hidden;
-    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::q_gemm_ms)));
-    KVPACK_RETURN_IF_ERROR(gemm.Run(g, ctx.stream));
-    KVPACK_RETURN_IF_ERROR(clock.Stop());
+    KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::q_gemm_ms, [&] { return gemm.Run(g, ctx.stream); }));
     p.n_rows = rows, p.token_begin = q0;
-    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::q_epilogue_ms)));
-    KVPACK_RETURN_IF_ERROR(LaunchRowEpilogue(RowMode::kQuery, p, ctx.stream));
-    KVPACK_RETURN_IF_ERROR(clock.Stop());
+    KVPACK_RETURN_IF_ERROR(
+        clock.Time(&StageTimes::q_epilogue_ms, [&] { return LaunchRowEpilogue(RowMode::kQuery, p, ctx.stream); }));
     // In place, rows [q0, q0 + rows) of x are overwritten only now, after every read of them
     // (K/V projection finished before this call; this chunk's Q was projected just above).
     a.q_token_begin = q0, a.n_q = rows;
     a.out = t.out + q0 * hd;
-    KVPACK_RETURN_IF_ERROR(clock.Start(Slot(ctx, &StageTimes::attention_ms)));
-    KVPACK_RETURN_IF_ERROR(LaunchAttention(a, ctx.stream));
-    KVPACK_RETURN_IF_ERROR(clock.Stop());
+    KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::attention_ms, [&] { return LaunchAttention(a, ctx.stream); }));
   }
   return clock.Finish();
 }
