@@ -3,25 +3,16 @@
 import numpy as np
 import pytest
 
-import kvpack
-from fake_daemon import FakeDaemon
-from kvpack import reference, testing, tensors
+from kvpack import reference, tensors
 from kvpack.shm import SharedArena
 from kvpack.types import Range
 
 H, HD, D = 2, 32, 48
 
 
-def daemons():
-    yield "fake", FakeDaemon
-    if testing.find_kvpackd() is not None:
-        yield "kvpackd", testing.LocalDaemon
-
-
-@pytest.fixture(params=[name for name, _ in daemons()])
-def client(request):
-    with dict(daemons())[request.param]() as d, kvpack.Client(d.target, timeout=60) as c:
-        yield c
+@pytest.fixture
+def client(each_daemon_client):
+    return each_daemon_client
 
 
 def test_layers_through_the_arena_grow_and_survive_a_dropped_region(client):

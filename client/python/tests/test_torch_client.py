@@ -5,10 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch not installed (the adapter's tests need it)")
 
-import kvpack  # noqa: E402
 import kvpack.torch as kt  # noqa: E402
-from fake_daemon import FakeDaemon  # noqa: E402
-from kvpack import testing  # noqa: E402
 from kvpack.comfy import AttentionOverride  # noqa: E402
 from kvpack.shm import SharedArena  # noqa: E402
 from kvpack.types import Rope  # noqa: E402
@@ -21,17 +18,9 @@ def rel_l2(got, want):
     return (torch.linalg.norm(got.float() - want.float()) / torch.linalg.norm(want.float())).item()
 
 
-def daemons():
-    yield "fake", FakeDaemon
-    if testing.find_kvpackd() is not None:
-        yield "kvpackd", testing.LocalDaemon
-
-
-@pytest.fixture(params=[name for name, _ in daemons()])
-def client(request):
-    factory = dict(daemons())[request.param]
-    with factory() as d, kvpack.Client(d.target, timeout=60) as c:
-        yield c
+@pytest.fixture
+def client(each_daemon_client):
+    return each_daemon_client
 
 
 @pytest.mark.parametrize("transport", ["inline", "shm"])
