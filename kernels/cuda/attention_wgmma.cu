@@ -35,7 +35,12 @@ struct WgmmaTraits {
   static constexpr int kGroupRows = 64;  // wgmma M
   static_assert(kConsumerGroups * kGroupRows == kTileQueries, "consumer groups cover the query tile");
   static constexpr int kThreads = 128 * (1 + kConsumerGroups);
-  static constexpr int kStages = kStagesT;  // decoded K/V tiles in flight: 3 where shared memory allows, else 2
+  // Registers per thread after setmaxnreg: the decode needs few, the consumers' two S tiles, O and P
+  // many. 128·56 + 256·224 = 64512 = 384·168, the launch's budget (producer 40 spills).
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 224;
+  static_assert(128 * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <= 65536, "register file");
+  static constexpr int kStages = kStagesT;  // decoded K/V tiles in flight: 4 where shared memory allows, else 2
   static constexpr int kRawStages = 3;  // raw pages in flight (one being decoded, two arriving)
   static constexpr int kTileBytes = kPageTokens * kDim * 2;
   static constexpr int kQBytes = kTileQueries * kDim * 2;
@@ -73,7 +78,9 @@ __device__ __forceinline__ uint64_t Desc(uint32_t addr, uint32_t leading_bytes, 
 }
 __device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void WgmmaWaitAll() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most kPending of this warp group's committed wgmma groups are still running.
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory"); }
 // Keeps the compiler from moving reads or writes of an accumulator across the asynchronous MMA.
 template <int kN>
 __device__ __forceinline__ void FenceRegs(float (&r)[kN][4]) {
@@ -126,6 +133,17 @@ __device__ __forceinline__ void WgmmaRS(float (&o)[16][4], const uint32_t (&a)[4
 }
 #undef KVPACK_F8
 
+// Moves this warp group's register allocation to kCount per thread (a multiple of 8 in 24…256);
+// every warp of the group executes it.
+template <int kCount, bool kIncrease>
+__device__ __forceinline__ void SetMaxRegisters() {
+  if constexpr (kIncrease) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kCount));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kCount));
+  }
+}
+
 // Named barriers: `count` threads (a multiple of 32) take part; arrive does not wait.
 __device__ __forceinline__ void BarSync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
@@ -136,33 +154,166 @@ __device__ __forceinline__ void BarArrive(int id, int count) {
 // Orders this thread's ordinary shared-memory stores before later wgmma reads of them.
 __device__ __forceinline__ void FenceProxyAsync() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// The producer's decode of one page: raw K and V (K at `stage`, V at stage + v_offset) → the swizzled
-// bf16 tiles, thread ptid of 128 taking every 128th 16-byte chunk (8 per tile at d = 128). All loads
-// of a tile are issued before its first store (the compiler cannot reorder loads across stores to
-// the same shared array), so their latencies overlap.
-template <PageFormat F, int kDim>
-__device__ __forceinline__ void DecodeTiles(const uint8_t* stage, int v_offset, int n_valid, uint8_t* k_tile,
-                                            uint8_t* v_tile, int ptid) {
-  constexpr int kUnitsPerRow = kDim / 8;
-  constexpr int kSteps = kPageTokens * kUnitsPerRow / 128;
+// ── The producer's decode ───────────────────────────────────────────────────────────────────────
+// Producer thread ptid owns, in every 64-row tile, rows ptid/8 + 16·k (k = 0…3) and, in each of the
+// kDim/64 column blocks, the 16-byte chunk ptid mod 8. Rows r and r + 16 share r mod 8, so every
+// swizzled address is a per-thread base plus compile-time steps; the two chunks of a row at d = 128
+// share its metadata; a quarter warp stores one row's eight chunks of a block (conflict-free).
+template <int kDim>
+struct ProducerUnits {
+  static constexpr int kBlocks = kDim / 64;           // 64-channel column blocks of a tile
+  static constexpr int kRowSteps = kPageTokens / 16;  // rows per thread per tile
+  static constexpr int kRowStep = 16 * 128;           // tile bytes between rows r and r + 16
+  static constexpr int kBlockStep = kPageTokens * 128;
+  int row0, c8, tile_offset;
+  __device__ explicit ProducerUnits(int ptid)
+      : row0(ptid >> 3), c8(ptid & 7), tile_offset(SwizzledOffset<kPageTokens>(ptid >> 3, ptid & 7)) {}
+  __device__ int Row(int k) const { return row0 + 16 * k; }
+  __device__ int TileOffset(int k, int b) const { return tile_offset + k * kRowStep + b * kBlockStep; }
+};
+
+// 8 INT4 V codes (one 32-bit word, channel 2j in the low nibble of byte j) → 8 bf16 lo + code·scale,
+// in bf16x2 arithmetic: (0x4300 | code) is the bf16 of 128 + code, so one byte permute and one mask
+// make a channel pair and an exact subtraction gives the codes. scale and lo are each split into a
+// bf16 high part and a bf16 rest (exact to 2^-17); code·scale_high + lo_high rounds once near the
+// value, code·scale_rest + lo_rest is small, and their sum rounds again: about 1.3× the error of
+// format.h's fp32 decode on centred rows (an emulation over random rows; more where |lo| ≫ the
+// step, i.e. without smoothing). Only V pages take this path: an error in V reaches the output
+// linearly, averaged over keys, while K's error is a logit error that softmax amplifies — rounding
+// a K row's scale to bf16 took cuda_layer_test's INT4 case from rel L2 0.004 to 0.017 — so K
+// pages keep the exact fp32 decode.
+struct Int4RowBf16 {
+  __nv_bfloat162 scale_high, scale_rest, lo_high, lo_rest;
+};
+__device__ __forceinline__ Int4RowBf16 Int4RowOf(uint32_t meta) {
+  const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
+  const uint32_t scale_high = PackBf16x2(scale, scale), lo_high = PackBf16x2(lo, lo);
+  const uint32_t rests = PackBf16x2(scale - __uint_as_float(scale_high << 16), lo - __uint_as_float(lo_high << 16));
+  const uint32_t scale_rest = __byte_perm(rests, 0, 0x1010), lo_rest = __byte_perm(rests, 0, 0x3232);
+  Int4RowBf16 row;
+  row.scale_high = *reinterpret_cast<const __nv_bfloat162*>(&scale_high);
+  row.scale_rest = *reinterpret_cast<const __nv_bfloat162*>(&scale_rest);
+  row.lo_high = *reinterpret_cast<const __nv_bfloat162*>(&lo_high);
+  row.lo_rest = *reinterpret_cast<const __nv_bfloat162*>(&lo_rest);
+  return row;
+}
+__device__ __forceinline__ uint4 Int4Bf16Unit(uint32_t codes, const Int4RowBf16& row) {
+  const uint32_t high = codes >> 4;  // byte j of `high` has channel 2j + 1 in its low nibble
+  const __nv_bfloat162 bias = __floats2bfloat162_rn(128.0f, 128.0f);
+  uint32_t exponent;  // 0x43004300 from a register, so that mask-and-or is one LOP3 (it takes one immediate)
+  asm("mov.b32 %0, 0x43004300;\n" : "=r"(exponent));
+  uint32_t out[4];
 #pragma unroll
-  for (int tile = 0; tile < 2; ++tile) {
-    const uint8_t* src = tile == 0 ? stage : stage + v_offset;
-    uint8_t* dst = tile == 0 ? k_tile : v_tile;
-    RawUnit<F> units[kSteps];
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t pair = (__byte_perm(codes, high, 0x4400 + 0x1111 * j) & 0x000f000fu) | exponent;
+    const __nv_bfloat162 code = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&pair), bias);
+    const __nv_bfloat162 v =
+        __hadd2(__hfma2(code, row.scale_high, row.lo_high), __hfma2(code, row.scale_rest, row.lo_rest));
+    out[j] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+template <int kDim>
+__device__ __forceinline__ void DecodeInt4VTile(const uint8_t* src, uint8_t* dst, const ProducerUnits<kDim>& u) {
+  using U = ProducerUnits<kDim>;
+  uint32_t codes[U::kRowSteps][U::kBlocks], meta[U::kRowSteps];
 #pragma unroll
-    for (int it = 0; it < kSteps; ++it) {
-      const int u = ptid + it * 128;
-      units[it] = LoadUnit<F, kDim>(src, u / kUnitsPerRow, u % kUnitsPerRow);
-    }
+  for (int k = 0; k < U::kRowSteps; ++k) {  // every load before the first store
+    meta[k] = *reinterpret_cast<const uint32_t*>(src + MetaOffset(PageFormat::kInt4, kDim) + u.Row(k) * 4);
 #pragma unroll
-    for (int it = 0; it < kSteps; ++it) {
-      const int u = ptid + it * 128;
-      const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow;
-      *reinterpret_cast<uint4*>(dst + SwizzledOffset<kPageTokens>(r, c8)) =
-          r < n_valid ? ConvertUnit<F>(units[it]) : make_uint4(0, 0, 0, 0);
+    for (int b = 0; b < U::kBlocks; ++b) {
+      codes[k][b] = *reinterpret_cast<const uint32_t*>(src + u.Row(k) * (kDim / 2) + (b * 8 + u.c8) * 4);
     }
   }
+#pragma unroll
+  for (int k = 0; k < U::kRowSteps; ++k) {
+    const Int4RowBf16 row = Int4RowOf(meta[k]);
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(dst + u.TileOffset(k, b)) = Int4Bf16Unit(codes[k][b], row);
+  }
+}
+
+// K pages and INT8 / BF16 V pages: format.h's exact fp32 decode (attention_device.cuh), in the same
+// thread layout.
+template <PageFormat F, int kDim>
+__device__ __forceinline__ void DecodeTile(const uint8_t* src, uint8_t* dst, const ProducerUnits<kDim>& u) {
+  using U = ProducerUnits<kDim>;
+  RawUnit<F> units[U::kRowSteps][U::kBlocks];
+#pragma unroll
+  for (int k = 0; k < U::kRowSteps; ++k) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) units[k][b] = LoadUnit<F, kDim>(src, u.Row(k), b * 8 + u.c8);
+  }
+#pragma unroll
+  for (int k = 0; k < U::kRowSteps; ++k) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(dst + u.TileOffset(k, b)) = ConvertUnit<F>(units[k][b]);
+  }
+}
+
+// One page: raw K and V (K at `stage`, V at stage + v_offset) → the swizzled bf16 K and V tiles; rows
+// at or past n_valid are zeroed afterwards (their bytes may decode to anything finite or not).
+template <int kDim>
+__device__ __forceinline__ void DecodePage(const PageDesc& page, const uint8_t* stage, int v_offset, uint8_t* k_tile,
+                                           uint8_t* v_tile, const ProducerUnits<kDim>& u) {
+  switch (static_cast<PageFormat>(page.format)) {
+    case PageFormat::kInt4:
+      DecodeTile<PageFormat::kInt4, kDim>(stage, k_tile, u);
+      DecodeInt4VTile<kDim>(stage + v_offset, v_tile, u);
+      break;
+    case PageFormat::kInt8:
+      DecodeTile<PageFormat::kInt8, kDim>(stage, k_tile, u);
+      DecodeTile<PageFormat::kInt8, kDim>(stage + v_offset, v_tile, u);
+      break;
+    default:
+      DecodeTile<PageFormat::kBf16, kDim>(stage, k_tile, u);
+      DecodeTile<PageFormat::kBf16, kDim>(stage + v_offset, v_tile, u);
+      break;
+  }
+  if (page.n_valid < kPageTokens) {
+#pragma unroll
+    for (int k = 0; k < ProducerUnits<kDim>::kRowSteps; ++k) {
+      if (u.Row(k) < page.n_valid) continue;
+#pragma unroll
+      for (int b = 0; b < ProducerUnits<kDim>::kBlocks; ++b) {
+        *reinterpret_cast<uint4*>(k_tile + u.TileOffset(k, b)) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(v_tile + u.TileOffset(k, b)) = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+}
+
+// Where one page's bytes are, read from global memory one page before its copy is issued so that the
+// reads' latency hides behind a decode.
+// Offsets, not pointers: an add right after the loads would wait for them there.
+struct PageSource {
+  PageDesc desc;
+  uint64_t k, v;  // byte offsets into the pool
+};
+__device__ __forceinline__ PageSource FetchPageSource(const AttentionParams& p, int head, int page) {
+  const int64_t slot = static_cast<int64_t>(head) * p.kv.n_pages + page;
+  return {p.kv.pages[page], p.kv.k_offsets[slot], p.kv.v_offsets[slot]};
+}
+// Starts the copy of a page's K and V bytes into a raw stage (K at 0, V at v_offset).
+template <int kDim>
+__device__ __forceinline__ void CopyPageAsync(const uint8_t* pool, const PageSource& src, uint8_t* stage, int v_offset,
+                                              int ptid) {
+  const int bytes = PageBytes(static_cast<PageFormat>(src.desc.format), kDim);
+  const uint8_t* k = pool + src.k;
+  const uint8_t* v = pool + src.v;
+  for (int i = ptid * 16; i < bytes; i += 128 * 16) {
+    CpAsync16(stage + i, k + i);
+    CpAsync16(stage + v_offset + i, v + i);
+  }
+}
+
+// ex2.approx with denormals flushed: one MUFU.EX2 (exp2f adds a range check and two multiplies to
+// keep denormal results, which an attention weight below 2^-126 does not need). ex2(−inf) = +0.
+__device__ __forceinline__ float Exp2Ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 template <int kDim, int kStages>
@@ -173,6 +324,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
   extern __shared__ uint8_t smem_raw[];
   __shared__ QueryRuns runs;
   __shared__ VisibleScratch<T::kThreads, T::kWindow> scratch;
+  __shared__ PageDesc raw_desc[T::kRawStages], tile_desc[T::kStages];
   uint8_t* smem = smem_raw + ((T::kAlign - (SmemAddr(smem_raw) & (T::kAlign - 1))) & (T::kAlign - 1));
   uint8_t* raw = smem + T::kRawOffset;
 
@@ -194,6 +346,56 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
   FenceProxyAsync();
   FindQueryRuns<T::kThreads>(p, t0, n_rows, runs);  // its barriers also publish Q
 
+  // ── Main loop: windows of pages; in each, the producer/consumer pipeline over the visible pages ──
+  // Each role runs its own copy of the window loop, so that the code after setmaxnreg belongs to one
+  // role only (the register counts of the two differ). Both meet at the same CTA barriers.
+  if (group == 0) {
+    SetMaxRegisters<T::kProducerRegisters, false>();
+    for (int w0 = 0; w0 < n_pages; w0 += T::kWindow) {
+      const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
+      const int n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
+      if (n_visible > 0) {
+        // Producer: raw page i+2 arrives while page i is decoded into tile stage i mod kStages; the
+        // source of page i+3 is read meanwhile. Thread 0 hands each page's descriptor on through shared
+        // memory: raw_desc[i mod kRawStages] to the decode, tile_desc[stage] to the consumers.
+        const ProducerUnits<kDim> units(tid);
+        const int stage_bytes = 2 * p.max_page_bytes;
+        PageSource source = FetchPageSource(p, head, w0 + scratch.visible[0]);
+#pragma unroll
+        for (int j = 0; j < T::kRawStages - 1; ++j) {
+          if (j < n_visible) {
+            CopyPageAsync<kDim>(p.kv.pool, source, raw + j * stage_bytes, p.max_page_bytes, tid);
+            if (tid == 0) raw_desc[j] = source.desc;
+            if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + scratch.visible[j + 1]);
+          }
+          CpAsyncCommit();
+        }
+        for (int i = 0; i < n_visible; ++i) {
+          CpAsyncWait<T::kRawStages - 2>();  // this thread's copies of page i are done
+          BarSync(T::kProducerBar, 128);     // everyone's are, and everyone has decoded page i − 1
+          const int next = i + T::kRawStages - 1;
+          if (next < n_visible) {
+            CopyPageAsync<kDim>(p.kv.pool, source, raw + (next % T::kRawStages) * stage_bytes, p.max_page_bytes, tid);
+            if (tid == 0) raw_desc[next % T::kRawStages] = source.desc;
+            if (next + 1 < n_visible) source = FetchPageSource(p, head, w0 + scratch.visible[next + 1]);
+          }
+          CpAsyncCommit();
+          const int s = i % T::kStages;
+          if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);  // consumers are done with page i − kStages
+          const PageDesc page = raw_desc[i % T::kRawStages];
+          DecodePage<kDim>(page, raw + (i % T::kRawStages) * stage_bytes, p.max_page_bytes,
+                           smem + T::kKOffset + s * T::kTileBytes, smem + T::kVOffset + s * T::kTileBytes, units);
+          if (tid == 0) tile_desc[s] = page;
+          FenceProxyAsync();
+          BarArrive(T::kFullBar + s, T::kThreads);
+        }
+        CpAsyncWait<0>();
+    }
+      __syncthreads();  // the consumers are done with the tiles before the next window
+    }
+    return;
+  }
+  SetMaxRegisters<T::kConsumerRegisters, true>();
   // Consumer state: warp w of consumer group c owns rows c·64 + w·16 + (g, g + 8).
   const int warp_in_group = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
   const int row_base = (group - 1) * T::kGroupRows + warp_in_group * 16;
@@ -202,78 +404,58 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
   for (int n = 0; n < kONTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
-
-  // ── Main loop: windows of pages; in each, the producer/consumer pipeline over the visible pages ──
   for (int w0 = 0; w0 < n_pages; w0 += T::kWindow) {
     const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
     const int n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
-    if (n_visible == 0) continue;
-
-    if (group == 0) {
-      // Producer: raw page i+2 arrives while page i is decoded into tile stage i mod kStages.
-      const int ptid = tid;
-      const int stage_bytes = 2 * p.max_page_bytes;
-#pragma unroll
-      for (int j = 0; j < T::kRawStages - 1; ++j) {
-        if (j < n_visible) LoadPageAsync<128, kDim>(p, head, w0 + scratch.visible[j], raw + j * stage_bytes, ptid);
-        CpAsyncCommit();
-      }
-      for (int i = 0; i < n_visible; ++i) {
-        CpAsyncWait<T::kRawStages - 2>();  // this thread's copies of page i are done
-        BarSync(T::kProducerBar, 128);     // everyone's are, and everyone has decoded page i − 1
-        const int next = i + T::kRawStages - 1;
-        if (next < n_visible) {
-          LoadPageAsync<128, kDim>(p, head, w0 + scratch.visible[next], raw + (next % T::kRawStages) * stage_bytes, ptid);
-        }
-        CpAsyncCommit();
-        const int s = i % T::kStages;
-        if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);  // consumers are done with page i − kStages
-        const PageDesc page = p.kv.pages[w0 + scratch.visible[i]];
-        const PageFormat format = static_cast<PageFormat>(page.format);
-        const uint8_t* stage = raw + (i % T::kRawStages) * stage_bytes;
-        uint8_t* k_tile = smem + T::kKOffset + s * T::kTileBytes;
-        uint8_t* v_tile = smem + T::kVOffset + s * T::kTileBytes;
-        switch (format) {
-          case PageFormat::kInt4: DecodeTiles<PageFormat::kInt4, kDim>(stage, p.max_page_bytes, page.n_valid, k_tile, v_tile, ptid); break;
-          case PageFormat::kInt8: DecodeTiles<PageFormat::kInt8, kDim>(stage, p.max_page_bytes, page.n_valid, k_tile, v_tile, ptid); break;
-          default: DecodeTiles<PageFormat::kBf16, kDim>(stage, p.max_page_bytes, page.n_valid, k_tile, v_tile, ptid); break;
-        }
-        FenceProxyAsync();
-        BarArrive(T::kFullBar + s, T::kThreads);
-      }
-      CpAsyncWait<0>();
-    } else {
-      // Consumers: S(i+1) is issued right behind P(i)·V so that the tensor cores run both while this
-      // group waits (224.5 → 230.6 TFLOP/s at N = 32768 INT4 against completing each before the next).
-      const uint32_t q_addr = SmemAddr(smem + (group - 1) * (T::kQBytes / 2));
-      float sc[8][4];   // S rows (g, g+8) × keys (n·8 + 2t, +1)
-      uint32_t a[4][4];  // P as the A fragments of the four 16-key steps of P·V
+    if (n_visible > 0) {
+      // Consumers. S(i+1) is issued before the softmax of page i, so that the tensor cores compute it
+      // while this group works on page i, and P(i)·V runs on under the softmax of page i + 1. Two S
+      // accumulators alternate (the loop is unrolled by two so that they stay registers). Descriptors step by adding (byte offset >> 4) to their address field:
+      // shared addresses stay below 2^18, so the 14-bit field never carries.
+      const uint64_t q_desc = Desc(SmemAddr(smem + (group - 1) * (T::kQBytes / 2)), 16, 1024);
+      float s_even[8][4], s_odd[8][4];  // S rows (g, g+8) × keys (n·8 + 2t, +1) of pages 2j and 2j + 1
+      uint32_t a[4][4];                 // P as the A fragments of the four 16-key steps of P·V
       // S[64 × 64] = Q[64 × d] · Kᵀ[d × 64] of visible page i, once the producer has filled its stage;
       // k-step kc reads 32 bytes into a 128-byte swizzled row.
-      auto issue_s = [&](int i) {
-        const uint32_t k_addr = SmemAddr(smem + T::kKOffset + (i % T::kStages) * T::kTileBytes);
-        BarSync(T::kFullBar + i % T::kStages, T::kThreads);
+      // `wait` = false re-issues a page the group already holds (the last page's S(i+1): a wasted
+      // 1/n_visible of the MMAs, so that no wgmma sits in a branch, which would serialise them all).
+      auto issue_s = [&](float (&sc)[8][4], int i, bool wait) {
+        const uint64_t k_desc = Desc(SmemAddr(smem + T::kKOffset + (i % T::kStages) * T::kTileBytes), 16, 1024);
+        if (wait) BarSync(T::kFullBar + i % T::kStages, T::kThreads);
+        FenceRegs(sc);
         WgmmaFence();
 #pragma unroll
         for (int kc = 0; kc < kDim / 16; ++kc) {
           const uint32_t off = (kc >> 2) * (kPageTokens * 128) + (kc & 3) * 32;
-          WgmmaSS64(sc, Desc(q_addr + off, 16, 1024), Desc(k_addr + off, 16, 1024), kc > 0);
+          WgmmaSS64(sc, q_desc + (off >> 4), k_desc + (off >> 4), kc > 0);
         }
         WgmmaCommit();
       };
-      issue_s(0);
-      for (int i = 0; i < n_visible; ++i) {
-        const int s = i % T::kStages;
-        WgmmaWaitAll();  // S(i) and P(i−1)·V
-        FenceRegs(sc);
+      // Every MMA of the group is complete: O may be rescaled, P's registers rewritten, S(i+1) read, and
+      // page i − 1 handed back to the producer.
+      auto retire_previous = [&](int i, float (&s_next)[8][4]) {
+        WgmmaWait<0>();
         FenceRegs(o);
+        FenceRegs(s_next);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[kk][e])::"memory");  // P(i−1) read until here
+          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[kk][e])::"memory");
         }
         if (i > 0 && i - 1 + T::kStages < n_visible) BarArrive(T::kEmptyBar + (i - 1) % T::kStages, T::kThreads);
-        const PageDesc page = p.kv.pages[w0 + scratch.visible[i]];
+      };
+      // With four stages S(i+1) runs under the softmax of page i and P(i)·V under the next page's.
+      // With two, the producer needs page i − 1's stage back before it can fill page i + 1's, so every
+      // MMA is waited for first and S(i+1) goes in behind P(i)·V (ptxas serialises the wgmmas if O is
+      // rescaled while S(i+1) runs). A wait for all MMAs where only P(i−1)·V is needed costs little:
+      // the tensor cores run a group's MMAs in order, so S(i+1) is done before P(i)·V starts.
+      constexpr bool kRetireFirst = T::kStages < 3;
+      auto step = [&](int i, float (&sc)[8][4], float (&s_next)[8][4]) {
+        const int s = i % T::kStages;
+        const bool more = i + 1 < n_visible;
+        if (kRetireFirst) retire_previous(i, sc);
+        if (!kRetireFirst) issue_s(s_next, more ? i + 1 : i, more);
+        const PageDesc page = tile_desc[s];
 
         // Masks: invalid slots, other sequences, future keys (causal).
         const bool need_mask = page.n_valid < kPageTokens || runs.n > 1 ||
@@ -292,8 +474,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
           }
         }
 
-        // Online softmax (log2 domain), rows g and g + 8. O is rescaled only when some row of the warp
-        // has a new maximum (after the first pages almost never; ×1 would change no bit).
+        // Online softmax (log2 domain), rows g and g + 8.
         float corr[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -304,18 +485,21 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
           mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
           const float m_new = fmaxf(row_max[r], mx * scale_log2);
           const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a fully masked row so far
-          corr[r] = exp2f(row_max[r] - m_use);
+          corr[r] = Exp2Ftz(row_max[r] - m_use);
           row_max[r] = m_new;
           row_sum[r] *= corr[r];
 #pragma unroll
           for (int n = 0; n < 8; ++n) {
 #pragma unroll
             for (int e = 2 * r; e < 2 * r + 2; ++e) {
-              sc[n][e] = exp2f(fmaf(sc[n][e], scale_log2, -m_use));
+              sc[n][e] = Exp2Ftz(fmaf(sc[n][e], scale_log2, -m_use));
               row_sum[r] += sc[n][e];
             }
           }
         }
+        if (!kRetireFirst) retire_previous(i, s_next);
+        // O is rescaled only when some row of the warp has a new maximum (after the first pages almost
+        // never; ×1 would change no bit).
         if (__any_sync(kFullMask, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
           for (int n = 0; n < kONTiles; ++n) o[n][0] *= corr[0], o[n][1] *= corr[0], o[n][2] *= corr[1], o[n][3] *= corr[1];
@@ -329,22 +513,30 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
           a[kk][2] = PackBf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
           a[kk][3] = PackBf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
         }
-        const uint32_t v_addr = SmemAddr(smem + T::kVOffset + s * T::kTileBytes);
+        const uint64_t v_desc = Desc(SmemAddr(smem + T::kVOffset + s * T::kTileBytes), kPageTokens * 128, 1024);
         FenceRegs(o);
         WgmmaFence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) WgmmaRS(o, a[kk], Desc(v_addr + kk * 2048, kPageTokens * 128, 1024));
+        for (int kk = 0; kk < 4; ++kk) WgmmaRS(o, a[kk], v_desc + kk * (2048 >> 4));
         WgmmaCommit();
-        if (i + 1 < n_visible) issue_s(i + 1);
+        if (kRetireFirst && more) issue_s(s_next, i + 1, true);
+      };
+      issue_s(s_even, 0, true);
+      WgmmaWait<0>();
+      FenceRegs(s_even);
+      int i = 0;
+      for (; i + 1 < n_visible; i += 2) {
+        step(i, s_even, s_odd);
+        step(i + 1, s_odd, s_even);
       }
-      WgmmaWaitAll();
+      if (i < n_visible) step(i, s_even, s_odd);
+      WgmmaWait<0>();
       FenceRegs(o);
     }
-    __syncthreads();  // every group is done with the tiles before the next window or the epilogue
+    __syncthreads();  // matches the producer's, before the next window
   }
 
   // ── Epilogue: normalise, stage rows in shared memory, Rᵀ and +μ_v per row, bf16 out ──────────
-  if (group == 0) return;
   float* stage_rows = reinterpret_cast<float*>(smem) + row_base * T::kStagePitch;  // this warp's 16 rows
   float inv[2];
 #pragma unroll
@@ -370,12 +562,15 @@ int DynamicSmem(int max_page_bytes) {
   return T::kAlign + T::kRawOffset + T::kRawStages * 2 * max_page_bytes;
 }
 
-// Three decoded stages where they fit beside the static shared memory (~9 KB) in the 227 KB of an
-// SM: every format at d = 64, INT4 and INT8 at d = 128; BF16 pages at d = 128 take two.
+// Four decoded stages where they fit beside the static shared memory (~9 KB) in the 227 KB of an
+// SM: every format at d = 64, INT4 and INT8 at d = 128; BF16 pages at d = 128 take two. (The
+// consumers hold two pages — S(i+1) runs while page i is in P·V — and hand a page back mid-way
+// through the next, so with three stages the producer had half a page's time to decode each.)
 inline constexpr int kMaxDynamicSmem = 216 * 1024;
+inline constexpr int kDeepStages = 4;
 template <int kDim>
 int Stages(int max_page_bytes) {
-  return DynamicSmem<kDim, 3>(max_page_bytes) <= kMaxDynamicSmem ? 3 : 2;
+  return DynamicSmem<kDim, kDeepStages>(max_page_bytes) <= kMaxDynamicSmem ? kDeepStages : 2;
 }
 
 template <int kDim, int kStages>
@@ -392,16 +587,18 @@ Error Launch(const AttentionParams& p, cudaStream_t stream) {
 
 template <int kDim>
 Error LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
-  return Stages<kDim>(p.max_page_bytes) == 3 ? Launch<kDim, 3>(p, stream) : Launch<kDim, 2>(p, stream);
+  return Stages<kDim>(p.max_page_bytes) == kDeepStages ? Launch<kDim, kDeepStages>(p, stream) : Launch<kDim, 2>(p, stream);
 }
 
 }  // namespace
 
 int AttentionWgmmaSharedBytes(int head_dim, int max_page_bytes) {
   if (head_dim == 128) {
-    return Stages<128>(max_page_bytes) == 3 ? DynamicSmem<128, 3>(max_page_bytes) : DynamicSmem<128, 2>(max_page_bytes);
+    return Stages<128>(max_page_bytes) == kDeepStages ? DynamicSmem<128, kDeepStages>(max_page_bytes)
+                                                      : DynamicSmem<128, 2>(max_page_bytes);
   }
-  return Stages<64>(max_page_bytes) == 3 ? DynamicSmem<64, 3>(max_page_bytes) : DynamicSmem<64, 2>(max_page_bytes);
+  return Stages<64>(max_page_bytes) == kDeepStages ? DynamicSmem<64, kDeepStages>(max_page_bytes)
+                                                   : DynamicSmem<64, 2>(max_page_bytes);
 }
 
 Error LaunchAttentionWgmma(const AttentionParams& params, cudaStream_t stream) {
