@@ -1,16 +1,17 @@
 // Attention over packed pages on Hopper's asynchronous warp-group MMA (wgmma, sm_90a), warp-specialised.
 //
-// A CTA of three warp groups takes one tile of kTileQueries = 128 query rows of one head:
-//   warp group 0, the producer: cp.asyncs the raw bytes of the visible pages into a ring of kRawStages
-//     stages and decodes each page (INT4 / INT8 / BF16) into a ring of kStages bf16 K and V tiles laid
+// A CTA of four warp groups takes one tile of kTileQueries = 128 query rows of one head:
+//   warp groups 0 and 1, the producers (48 registers each after setmaxnreg): cp.async the raw bytes
+//     of the visible pages into a ring of kRawStages stages; group 0 turns each page's K into a bf16
+//     tile (INT4: the codes + 128, with each key's scale and lo in a key table; INT8, BF16: the
+//     values) and group 1 decodes V (INT4 in bf16x2 arithmetic), into a ring of kStages tiles laid
 //     out as wgmma reads them (128-byte swizzle);
-//   warp groups 1 and 2, the consumers, 64 query rows each: S = Q·Kᵀ (wgmma, Q and K from shared
-//     memory), masks and the online softmax in registers, O += P·V (wgmma, P from registers, V from
-//     shared memory), then the epilogue of attention_device.cuh (Rᵀ, +μ_v, bf16 store).
-// Named barriers hand the tiles over: kFullBar + s (producer arrives, consumers wait) and kEmptyBar + s
-// (consumers arrive, producer waits). The producer decodes pages ahead while the consumers multiply,
-// and the two consumer groups take turns on the tensor cores. Over INT4/INT8 pages the producer's
-// decode is what limits speed (bench/RESULTS.md, runs 4–5: 270–280 TFLOP/s, 368 over BF16 pages).
+//   warp groups 2 and 3, the consumers (208 registers), 64 query rows each: S = Q·Kᵀ (wgmma, Q and K
+//     from shared memory), logits from S and the key table, masks and the online softmax in
+//     registers, O += P·V (wgmma, P from registers, V from shared memory), then the epilogue of
+//     attention_device.cuh (Rᵀ, +μ_v, bf16 store). S of the next page runs under the softmax.
+// Named barriers hand the tiles over: kFullBar + s (producers arrive, consumers wait) and kEmptyBar + s
+// (consumers arrive, producers wait). bench/RESULTS.md has the measurements behind each choice.
 #include "kernels/cuda/attention_wgmma.h"
 
 #include <string>
@@ -34,12 +35,17 @@ struct WgmmaTraits {
   static constexpr int kConsumerGroups = 2;
   static constexpr int kGroupRows = 64;  // wgmma M
   static_assert(kConsumerGroups * kGroupRows == kTileQueries, "consumer groups cover the query tile");
-  static constexpr int kThreads = 128 * (1 + kConsumerGroups);
+  // Two producer groups: each decodes one tile of every page (K, or V), so a scheduler holds two
+  // producer warps whose latencies hide each other's (with one, the producer limited the kernel).
+  static constexpr int kProducerGroups = 2;
+  static constexpr int kProducerThreads = 128 * kProducerGroups;
+  static constexpr int kThreads = kProducerThreads + 128 * kConsumerGroups;
   // Registers per thread after setmaxnreg: the decode needs few, the consumers' two S tiles, O and P
-  // many. 128·56 + 256·224 = 64512 = 384·168, the launch's budget (producer 40 spills).
+  // many: 256·56 + 256·200 = 65536, the register file (the launch's 512·128).
   static constexpr int kProducerRegisters = 56;
-  static constexpr int kConsumerRegisters = 224;
-  static_assert(128 * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <= 65536, "register file");
+  static constexpr int kConsumerRegisters = 200;
+  static_assert(kProducerThreads * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <= 65536,
+                "register file");
   static constexpr int kStages = kStagesT;  // decoded K/V tiles in flight: 4 where shared memory allows, else 2
   static constexpr int kRawStages = 3;  // raw pages in flight (one being decoded, two arriving)
   static constexpr int kTileBytes = kPageTokens * kDim * 2;
@@ -133,6 +139,26 @@ __device__ __forceinline__ void WgmmaRS(float (&o)[16][4], const uint32_t (&a)[4
 }
 #undef KVPACK_F8
 
+// The raw stages fill by bulk copies (TMA) that complete on an mbarrier: one thread starts a page's
+// two copies with the byte count expected, every producer thread waits for the phase.
+__device__ __forceinline__ void MbarInit(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void MbarExpectBytes(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, int bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 // Moves this warp group's register allocation to kCount per thread (a multiple of 8 in 24…256);
 // every warp of the group executes it.
 template <int kCount, bool kIncrease>
@@ -197,16 +223,25 @@ __device__ __forceinline__ Int4RowBf16 Int4RowOf(uint32_t meta) {
   row.lo_rest = *reinterpret_cast<const __nv_bfloat162*>(&lo_rest);
   return row;
 }
-__device__ __forceinline__ uint4 Int4Bf16Unit(uint32_t codes, const Int4RowBf16& row) {
+// 8 INT4 codes → the bf16 of 128 + code, channel pairs (2j, 2j + 1) in word j.
+// `exponent` is 0x43004300 read from shared memory (kBf16Exponent), so that mask-and-or is one LOP3
+// (it takes one immediate; a constant ptxas can see becomes a second LOP3).
+inline constexpr uint32_t kBf16Exponent = 0x43004300u;
+__device__ __forceinline__ uint4 Int4CodesPlus128(uint32_t codes, uint32_t exponent) {
   const uint32_t high = codes >> 4;  // byte j of `high` has channel 2j + 1 in its low nibble
+  uint32_t out[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = (__byte_perm(codes, high, 0x4400 + 0x1111 * j) & 0x000f000fu) | exponent;
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+__device__ __forceinline__ uint4 Int4Bf16Unit(uint32_t codes, const Int4RowBf16& row, uint32_t exponent) {
+  const uint4 plus128 = Int4CodesPlus128(codes, exponent);
+  const uint32_t pairs[4] = {plus128.x, plus128.y, plus128.z, plus128.w};
   const __nv_bfloat162 bias = __floats2bfloat162_rn(128.0f, 128.0f);
-  uint32_t exponent;  // 0x43004300 from a register, so that mask-and-or is one LOP3 (it takes one immediate)
-  asm("mov.b32 %0, 0x43004300;\n" : "=r"(exponent));
   uint32_t out[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const uint32_t pair = (__byte_perm(codes, high, 0x4400 + 0x1111 * j) & 0x000f000fu) | exponent;
-    const __nv_bfloat162 code = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&pair), bias);
+    const __nv_bfloat162 code = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&pairs[j]), bias);
     const __nv_bfloat162 v =
         __hadd2(__hfma2(code, row.scale_high, row.lo_high), __hfma2(code, row.scale_rest, row.lo_rest));
     out[j] = *reinterpret_cast<const uint32_t*>(&v);
@@ -215,7 +250,8 @@ __device__ __forceinline__ uint4 Int4Bf16Unit(uint32_t codes, const Int4RowBf16&
 }
 
 template <int kDim>
-__device__ __forceinline__ void DecodeInt4VTile(const uint8_t* src, uint8_t* dst, const ProducerUnits<kDim>& u) {
+__device__ __forceinline__ void DecodeInt4VTile(const uint8_t* src, uint8_t* dst, const ProducerUnits<kDim>& u,
+                                                uint32_t exponent) {
   using U = ProducerUnits<kDim>;
   uint32_t codes[U::kRowSteps][U::kBlocks], meta[U::kRowSteps];
 #pragma unroll
@@ -230,11 +266,31 @@ __device__ __forceinline__ void DecodeInt4VTile(const uint8_t* src, uint8_t* dst
   for (int k = 0; k < U::kRowSteps; ++k) {
     const Int4RowBf16 row = Int4RowOf(meta[k]);
 #pragma unroll
-    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(dst + u.TileOffset(k, b)) = Int4Bf16Unit(codes[k][b], row);
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(dst + u.TileOffset(k, b)) = Int4Bf16Unit(codes[k][b], row, exponent);
   }
 }
 
-// K pages and INT8 / BF16 V pages: format.h's exact fp32 decode (attention_device.cuh), in the same
+// An INT4 K page → the bf16 of 128 + code; its rows' scale and lo go to the key table instead.
+template <int kDim>
+__device__ __forceinline__ void Int4KCodesTile(const uint8_t* src, uint8_t* dst, const ProducerUnits<kDim>& u,
+                                               uint32_t exponent) {
+  using U = ProducerUnits<kDim>;
+  uint32_t codes[U::kRowSteps][U::kBlocks];
+#pragma unroll
+  for (int k = 0; k < U::kRowSteps; ++k) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) {
+      codes[k][b] = *reinterpret_cast<const uint32_t*>(src + u.Row(k) * (kDim / 2) + (b * 8 + u.c8) * 4);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < U::kRowSteps; ++k) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(dst + u.TileOffset(k, b)) = Int4CodesPlus128(codes[k][b], exponent);
+  }
+}
+
+// INT8 / BF16 pages: format.h's exact fp32 decode (attention_device.cuh), in the same
 // thread layout.
 template <PageFormat F, int kDim>
 __device__ __forceinline__ void DecodeTile(const uint8_t* src, uint8_t* dst, const ProducerUnits<kDim>& u) {
@@ -252,34 +308,50 @@ __device__ __forceinline__ void DecodeTile(const uint8_t* src, uint8_t* dst, con
   }
 }
 
-// One page: raw K and V (K at `stage`, V at stage + v_offset) → the swizzled bf16 K and V tiles; rows
-// at or past n_valid are zeroed afterwards (their bytes may decode to anything finite or not).
+// One page: raw K and V (K at `stage`, V at stage + v_offset) → the swizzled bf16 K and V tiles.
+// Producer thread ptid of 256: threads 0…127 decode K (and write the key table), 128…255 V. Rows at
+// or past n_valid are zeroed afterwards (their bytes may decode to anything finite or not).
+//
+// The key table: logit(q_i, key j)·log2(e)·softmax_scale = a_j·S'_ij + b_j·Σq_i, where S' = Q·Kᵀ over the
+// K tile as stored. INT4 K tiles hold 128 + code, so with k̂ = lo + code·scale (exact, no rounding):
+// a_j = scale_j·c, b_j = (lo_j − 128·scale_j)·c, c = log2(e)·softmax_scale. Other tiles hold k̂ itself:
+// a_j = c, b_j = 0. Threads 0…63 write one key each.
 template <int kDim>
 __device__ __forceinline__ void DecodePage(const PageDesc& page, const uint8_t* stage, int v_offset, uint8_t* k_tile,
-                                           uint8_t* v_tile, const ProducerUnits<kDim>& u) {
-  switch (static_cast<PageFormat>(page.format)) {
-    case PageFormat::kInt4:
-      DecodeTile<PageFormat::kInt4, kDim>(stage, k_tile, u);
-      DecodeInt4VTile<kDim>(stage + v_offset, v_tile, u);
-      break;
-    case PageFormat::kInt8:
-      DecodeTile<PageFormat::kInt8, kDim>(stage, k_tile, u);
-      DecodeTile<PageFormat::kInt8, kDim>(stage + v_offset, v_tile, u);
-      break;
-    default:
-      DecodeTile<PageFormat::kBf16, kDim>(stage, k_tile, u);
-      DecodeTile<PageFormat::kBf16, kDim>(stage + v_offset, v_tile, u);
-      break;
+                                           uint8_t* v_tile, float2* keys, float scale_log2, uint32_t exponent,
+                                           int ptid) {
+  const PageFormat format = static_cast<PageFormat>(page.format);
+  const bool is_k = ptid < 128;
+  const ProducerUnits<kDim> u(ptid & 127);
+  uint8_t* tile = is_k ? k_tile : v_tile;
+  if (is_k) {
+    if (ptid < kPageTokens) {
+      float2 key = make_float2(scale_log2, 0.0f);
+      if (format == PageFormat::kInt4) {
+        const uint32_t meta = *reinterpret_cast<const uint32_t*>(stage + MetaOffset(PageFormat::kInt4, kDim) + ptid * 4);
+        const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
+        key = make_float2(scale * scale_log2, fmaf(-128.0f, scale, lo) * scale_log2);
+      }
+      keys[ptid] = key;
+    }
+    switch (format) {
+      case PageFormat::kInt4: Int4KCodesTile<kDim>(stage, tile, u, exponent); break;
+      case PageFormat::kInt8: DecodeTile<PageFormat::kInt8, kDim>(stage, tile, u); break;
+      default: DecodeTile<PageFormat::kBf16, kDim>(stage, tile, u); break;
+    }
+  } else {
+    switch (format) {
+      case PageFormat::kInt4: DecodeInt4VTile<kDim>(stage + v_offset, tile, u, exponent); break;
+      case PageFormat::kInt8: DecodeTile<PageFormat::kInt8, kDim>(stage + v_offset, tile, u); break;
+      default: DecodeTile<PageFormat::kBf16, kDim>(stage + v_offset, tile, u); break;
+    }
   }
   if (page.n_valid < kPageTokens) {
 #pragma unroll
     for (int k = 0; k < ProducerUnits<kDim>::kRowSteps; ++k) {
       if (u.Row(k) < page.n_valid) continue;
 #pragma unroll
-      for (int b = 0; b < ProducerUnits<kDim>::kBlocks; ++b) {
-        *reinterpret_cast<uint4*>(k_tile + u.TileOffset(k, b)) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(v_tile + u.TileOffset(k, b)) = make_uint4(0, 0, 0, 0);
-      }
+      for (int b = 0; b < ProducerUnits<kDim>::kBlocks; ++b) *reinterpret_cast<uint4*>(tile + u.TileOffset(k, b)) = make_uint4(0, 0, 0, 0);
     }
   }
 }
@@ -295,17 +367,15 @@ __device__ __forceinline__ PageSource FetchPageSource(const AttentionParams& p, 
   const int64_t slot = static_cast<int64_t>(head) * p.kv.n_pages + page;
   return {p.kv.pages[page], p.kv.k_offsets[slot], p.kv.v_offsets[slot]};
 }
-// Starts the copy of a page's K and V bytes into a raw stage (K at 0, V at v_offset).
+// Starts the bulk copies of a page's K and V bytes into a raw stage (K at 0, V at v_offset), completing
+// on `bar`. One thread.
 template <int kDim>
-__device__ __forceinline__ void CopyPageAsync(const uint8_t* pool, const PageSource& src, uint8_t* stage, int v_offset,
-                                              int ptid) {
+__device__ __forceinline__ void IssuePageCopy(const uint8_t* pool, const PageSource& src, uint8_t* stage, int v_offset,
+                                              uint32_t bar) {
   const int bytes = PageBytes(static_cast<PageFormat>(src.desc.format), kDim);
-  const uint8_t* k = pool + src.k;
-  const uint8_t* v = pool + src.v;
-  for (int i = ptid * 16; i < bytes; i += 128 * 16) {
-    CpAsync16(stage + i, k + i);
-    CpAsync16(stage + v_offset + i, v + i);
-  }
+  MbarExpectBytes(bar, 2 * bytes);
+  BulkCopy(SmemAddr(stage), pool + src.k, bytes, bar);
+  BulkCopy(SmemAddr(stage + v_offset), pool + src.v, bytes, bar);
 }
 
 // ex2.approx with denormals flushed: one MUFU.EX2 (exp2f adds a range check and two multiplies to
@@ -325,12 +395,16 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
   __shared__ QueryRuns runs;
   __shared__ VisibleScratch<T::kThreads, T::kWindow> scratch;
   __shared__ PageDesc raw_desc[T::kRawStages], tile_desc[T::kStages];
+  __shared__ uint64_t raw_full[T::kRawStages];  // mbarriers: raw stage filled
+  __shared__ uint32_t bf16_exponent;             // kBf16Exponent, see Int4CodesPlus128
+  __shared__ float4 key_table[T::kStages][kPageTokens / 2];  // (a_j, b_j, a_j+1, b_j+1): DecodePage
+  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
   uint8_t* smem = smem_raw + ((T::kAlign - (SmemAddr(smem_raw) & (T::kAlign - 1))) & (T::kAlign - 1));
   uint8_t* raw = smem + T::kRawOffset;
 
   // ── Preconditions and prologue ──────────────────────────────────────────────────────────────
   const int tid = threadIdx.x, lane = tid & 31;
-  const int group = tid >> 7;  // 0: producer, 1..2: consumers
+  const int group = tid >> 7;  // 0, 1: producers; 2, 3: consumers
   const int head = blockIdx.y;
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kTileQueries;  // first query of the tile
   const int n_rows = static_cast<int>(p.n_q - q0 < kTileQueries ? p.n_q - q0 : kTileQueries);
@@ -343,54 +417,58 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
     if (r < n_rows) v = *reinterpret_cast<const uint4*>(p.q + (q0 + r) * p.q_stride + head * kDim + c8 * 8);
     *reinterpret_cast<uint4*>(smem + (r / T::kGroupRows) * (T::kQBytes / 2) + SwizzledOffset<T::kGroupRows>(r % T::kGroupRows, c8)) = v;
   }
+  if (tid == 0) {
+    bf16_exponent = kBf16Exponent;
+    for (int st = 0; st < T::kRawStages; ++st) MbarInit(SmemAddr(&raw_full[st]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
   FenceProxyAsync();
-  FindQueryRuns<T::kThreads>(p, t0, n_rows, runs);  // its barriers also publish Q
+  FindQueryRuns<T::kThreads>(p, t0, n_rows, runs);  // its barriers also publish Q and the mbarriers
 
   // ── Main loop: windows of pages; in each, the producer/consumer pipeline over the visible pages ──
   // Each role runs its own copy of the window loop, so that the code after setmaxnreg belongs to one
   // role only (the register counts of the two differ). Both meet at the same CTA barriers.
-  if (group == 0) {
+  if (group < T::kProducerGroups) {
     SetMaxRegisters<T::kProducerRegisters, false>();
+    uint32_t raw_phase = 0;  // bit st: the parity of raw stage st's next completion
+    const uint32_t exponent = bf16_exponent;
     for (int w0 = 0; w0 < n_pages; w0 += T::kWindow) {
       const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
       const int n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
       if (n_visible > 0) {
-        // Producer: raw page i+2 arrives while page i is decoded into tile stage i mod kStages; the
-        // source of page i+3 is read meanwhile. Thread 0 hands each page's descriptor on through shared
-        // memory: raw_desc[i mod kRawStages] to the decode, tile_desc[stage] to the consumers.
-        const ProducerUnits<kDim> units(tid);
+        // Producers: raw page i+2 arrives while page i is decoded into tile stage i mod kStages. Thread 0
+        // reads each page's source one page ahead, starts its bulk copies, and hands its descriptor on
+        // through shared memory: raw_desc[raw stage] to the decode, tile_desc[stage] to the consumers.
         const int stage_bytes = 2 * p.max_page_bytes;
-        PageSource source = FetchPageSource(p, head, w0 + scratch.visible[0]);
-#pragma unroll
-        for (int j = 0; j < T::kRawStages - 1; ++j) {
-          if (j < n_visible) {
-            CopyPageAsync<kDim>(p.kv.pool, source, raw + j * stage_bytes, p.max_page_bytes, tid);
-            if (tid == 0) raw_desc[j] = source.desc;
-            if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + scratch.visible[j + 1]);
-          }
-          CpAsyncCommit();
+        PageSource source;
+        auto issue = [&](int j) {  // thread 0: page j's copies, then the source of page j + 1
+          const int st = j % T::kRawStages;
+          IssuePageCopy<kDim>(p.kv.pool, source, raw + st * stage_bytes, p.max_page_bytes, SmemAddr(&raw_full[st]));
+          raw_desc[st] = source.desc;
+          if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + scratch.visible[j + 1]);
+        };
+        if (tid == 0) {
+          source = FetchPageSource(p, head, w0 + scratch.visible[0]);
+          for (int j = 0; j < T::kRawStages - 1 && j < n_visible; ++j) issue(j);
         }
         for (int i = 0; i < n_visible; ++i) {
-          CpAsyncWait<T::kRawStages - 2>();  // this thread's copies of page i are done
-          BarSync(T::kProducerBar, 128);     // everyone's are, and everyone has decoded page i − 1
+          BarSync(T::kProducerBar, T::kProducerThreads);  // everyone has decoded page i − 1: its stage is free
           const int next = i + T::kRawStages - 1;
-          if (next < n_visible) {
-            CopyPageAsync<kDim>(p.kv.pool, source, raw + (next % T::kRawStages) * stage_bytes, p.max_page_bytes, tid);
-            if (tid == 0) raw_desc[next % T::kRawStages] = source.desc;
-            if (next + 1 < n_visible) source = FetchPageSource(p, head, w0 + scratch.visible[next + 1]);
-          }
-          CpAsyncCommit();
+          if (tid == 0 && next < n_visible) issue(next);
+          const int st = i % T::kRawStages;
+          MbarWait(SmemAddr(&raw_full[st]), (raw_phase >> st) & 1u);
+          raw_phase ^= 1u << st;
           const int s = i % T::kStages;
           if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);  // consumers are done with page i − kStages
-          const PageDesc page = raw_desc[i % T::kRawStages];
-          DecodePage<kDim>(page, raw + (i % T::kRawStages) * stage_bytes, p.max_page_bytes,
-                           smem + T::kKOffset + s * T::kTileBytes, smem + T::kVOffset + s * T::kTileBytes, units);
+          const PageDesc page = raw_desc[st];
+          DecodePage<kDim>(page, raw + st * stage_bytes, p.max_page_bytes,
+                           smem + T::kKOffset + s * T::kTileBytes, smem + T::kVOffset + s * T::kTileBytes,
+                           reinterpret_cast<float2*>(key_table[s]), scale_log2, exponent, tid);
           if (tid == 0) tile_desc[s] = page;
           FenceProxyAsync();
           BarArrive(T::kFullBar + s, T::kThreads);
         }
-        CpAsyncWait<0>();
-    }
+      }
       __syncthreads();  // the consumers are done with the tiles before the next window
     }
     return;
@@ -398,21 +476,40 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
   SetMaxRegisters<T::kConsumerRegisters, true>();
   // Consumer state: warp w of consumer group c owns rows c·64 + w·16 + (g, g + 8).
   const int warp_in_group = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
-  const int row_base = (group - 1) * T::kGroupRows + warp_in_group * 16;
+  const int consumer = group - T::kProducerGroups;
+  const int row_base = consumer * T::kGroupRows + warp_in_group * 16;
   float o[kONTiles][4];  // O rows (g, g+8) × channels (n·8 + 2t, +1)
 #pragma unroll
   for (int n = 0; n < kONTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  // Σ_c q_c of rows g and g + 8 (the key table's b_j term), from the bf16 Q the MMAs read: the four
+  // threads of a row pair each add a quarter of the channels.
+  float q_sum[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const uint8_t* q_rows = smem + consumer * (T::kQBytes / 2);
+    const int row = warp_in_group * 16 + g + 8 * r;
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kUnitsPerRow / 4; ++c) {
+      const uint4 v = *reinterpret_cast<const uint4*>(q_rows + SwizzledOffset<T::kGroupRows>(row, t * (kUnitsPerRow / 4) + c));
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sum += __uint_as_float(w[k] << 16) + __uint_as_float(w[k] & 0xffff0000u);
+    }
+    sum += __shfl_xor_sync(kFullMask, sum, 1);
+    q_sum[r] = sum + __shfl_xor_sync(kFullMask, sum, 2);
+  }
   for (int w0 = 0; w0 < n_pages; w0 += T::kWindow) {
     const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
     const int n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
     if (n_visible > 0) {
       // Consumers. S(i+1) is issued before the softmax of page i, so that the tensor cores compute it
       // while this group works on page i, and P(i)·V runs on under the softmax of page i + 1. Two S
-      // accumulators alternate (the loop is unrolled by two so that they stay registers). Descriptors step by adding (byte offset >> 4) to their address field:
-      // shared addresses stay below 2^18, so the 14-bit field never carries.
-      const uint64_t q_desc = Desc(SmemAddr(smem + (group - 1) * (T::kQBytes / 2)), 16, 1024);
+      // accumulators alternate (the loop is unrolled by two so that they stay registers). Descriptors
+      // step by adding (byte offset >> 4) to their address field: shared addresses stay below 2^18,
+      // so the 14-bit field never carries.
+      const uint64_t q_desc = Desc(SmemAddr(smem + consumer * (T::kQBytes / 2)), 16, 1024);
       float s_even[8][4], s_odd[8][4];  // S rows (g, g+8) × keys (n·8 + 2t, +1) of pages 2j and 2j + 1
       uint32_t a[4][4];                 // P as the A fragments of the four 16-key steps of P·V
       // S[64 × 64] = Q[64 × d] · Kᵀ[d × 64] of visible page i, once the producer has filled its stage;
@@ -453,9 +550,22 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
       auto step = [&](int i, float (&sc)[8][4], float (&s_next)[8][4]) {
         const int s = i % T::kStages;
         const bool more = i + 1 < n_visible;
+        float4 keys[8];  // keys n·8 + 2t and + 1: read early, they are used right after the S wait
+#pragma unroll
+        for (int n = 0; n < 8; ++n) keys[n] = key_table[s][n * 4 + t];
         if (kRetireFirst) retire_previous(i, sc);
         if (!kRetireFirst) issue_s(s_next, more ? i + 1 : i, more);
         const PageDesc page = tile_desc[s];
+
+        // Logits in the log2 domain from the key table (S holds Q·Kᵀ over the tile as stored).
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float a_j = e & 1 ? keys[n].z : keys[n].x, b_j = e & 1 ? keys[n].w : keys[n].y;
+            sc[n][e] = fmaf(sc[n][e], a_j, q_sum[e >> 1] * b_j);
+          }
+        }
 
         // Masks: invalid slots, other sequences, future keys (causal).
         const bool need_mask = page.n_valid < kPageTokens || runs.n > 1 ||
@@ -483,7 +593,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
           for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-          const float m_new = fmaxf(row_max[r], mx * scale_log2);
+          const float m_new = fmaxf(row_max[r], mx);
           const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a fully masked row so far
           corr[r] = Exp2Ftz(row_max[r] - m_use);
           row_max[r] = m_new;
@@ -492,7 +602,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
           for (int n = 0; n < 8; ++n) {
 #pragma unroll
             for (int e = 2 * r; e < 2 * r + 2; ++e) {
-              sc[n][e] = Exp2Ftz(fmaf(sc[n][e], scale_log2, -m_use));
+              sc[n][e] = Exp2Ftz(sc[n][e] - m_use);
               row_sum[r] += sc[n][e];
             }
           }
