@@ -7,7 +7,9 @@
 //                    --format=int4 [--in_place=1] [--reps=3]
 //
 // Prints one JSON line: median wall time of the AttentionLayer call (client side, inputs refilled
-// before each in-place run outside the timing), the daemon's stage times, the request's peak pool bytes
+// before each in-place run outside the timing), the last call's wall time broken down by the daemon's
+// stages (queue, plan, transfer, allocate, project, attend, their GPU-turn wait, release; the rest of
+// the wall time is the RPC), the request's peak pool bytes
 // and the planner's prediction, the plan's staging bytes, and the pool high-water from Status.
 #include <cuda_runtime_api.h>
 
@@ -125,23 +127,31 @@ int main(int argc, char** argv) {
 
   std::vector<double> wall_ms;
   kvpack::v1::LayerResult last;
+  double last_ms = 0;
   for (int i = 0; i < reps + 1; ++i) {  // the first call warms the daemon up (module load, handles)
     if (in_place && (fill() != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess)) return Fail("refill");
     const auto t0 = std::chrono::steady_clock::now();
     absl::StatusOr<kvpack::v1::LayerResult> r = c.AttentionLayer(h, kvpack::client::LayerData{});
     const auto t1 = std::chrono::steady_clock::now();
     if (!r.ok()) return Fail("AttentionLayer: " + std::string(r.status().message()));
-    if (i > 0) wall_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    last_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
+    if (i > 0) wall_ms.push_back(last_ms);
     last = *r;
   }
   std::sort(wall_ms.begin(), wall_ms.end());
   absl::StatusOr<kvpack::v1::StatusResponse> status = c.Status();
+  // Where the wall time of the last call went: the daemon's stages, and the RPC around them
+  // (wall − total: gRPC, the reactor, the client).
+  const kvpack::v1::StageSeconds& sec = last.seconds();
   std::printf(
       "{\"impl\": \"kvpackd cuda ipc\", \"n\": %lld, \"heads\": %d, \"dim\": %d, \"format\": \"%s\", \"in_place\": %d, "
-      "\"layer_ms\": %.1f, \"project_s\": %.4f, \"attend_s\": %.4f, \"queue_s\": %.4f, \"peak_bytes\": %llu, "
+      "\"layer_ms\": %.1f, \"last_ms\": %.1f, \"queue_ms\": %.2f, \"plan_ms\": %.2f, \"transfer_ms\": %.2f, "
+      "\"allocate_ms\": %.2f, \"project_ms\": %.2f, \"attend_ms\": %.2f, \"turn_wait_ms\": %.2f, \"release_ms\": %.2f, "
+      "\"daemon_total_ms\": %.2f, \"rpc_ms\": %.2f, \"peak_bytes\": %llu, "
       "\"predicted_peak_bytes\": %llu, \"io_bytes\": %llu, \"weights_bytes\": %llu, \"pool_high_water\": %llu}\n",
       static_cast<long long>(n), heads, dim, f["format"].c_str(), in_place ? 1 : 0, wall_ms[wall_ms.size() / 2],
-      last.seconds().project(), last.seconds().attend(), last.seconds().queue(),
+      last_ms, 1e3 * sec.queue(), 1e3 * sec.plan(), 1e3 * sec.transfer(), 1e3 * sec.allocate(), 1e3 * sec.project(),
+      1e3 * sec.attend(), 1e3 * sec.turn_wait(), 1e3 * sec.release(), 1e3 * sec.total(), last_ms - 1e3 * sec.total(),
       static_cast<unsigned long long>(last.peak_bytes()),
       static_cast<unsigned long long>(last.plan().predicted_peak_bytes()),
       static_cast<unsigned long long>(last.plan().io_bytes()),

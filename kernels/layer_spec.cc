@@ -214,4 +214,10 @@ KvEntryView MakeKvView(const KvLayout& layout, const LayerShape& shape, const ui
   return view;
 }
 
+ChunkGate CancelGate(std::function<bool()> cancelled) {
+  return [cancelled = std::move(cancelled)] {
+    return cancelled() ? Error(ErrorCode::kCancelled, "cancelled between chunks") : Error::Ok();
+  };
+}
+
 }  // namespace kvpack

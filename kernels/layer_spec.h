@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "kernels/error.h"
@@ -99,6 +100,14 @@ struct LayerTensors {
   const float* positions = nullptr;         // [N, RopeOptions::n_axes] or null without RoPE
   uint16_t* out = nullptr;                  // bf16 [N, H·d]; may equal x when D == H·d (in place)
 };
+
+// Called by the layer drivers (cpu/layer.h, cuda/layer.h) before each chunk of work: the statistics
+// pre-pass, every projection chunk, every query chunk. A non-OK Error stops the call with that
+// error. It is how a caller cancels between chunks, and how concurrent calls on one GPU take turns
+// chunk by chunk (it may block until the call's turn comes). Empty: no hook.
+using ChunkGate = std::function<Error()>;
+// A gate that stops the call with kCancelled once `cancelled()` returns true.
+ChunkGate CancelGate(std::function<bool()> cancelled);
 
 // ── Packed entry as kernels see it ──────────────────────────────────────────────────────────────
 

@@ -64,9 +64,13 @@ Error CheckTensors(const LayerConfig& config, const LayerTensors& t, bool needs_
   return Error::Ok();
 }
 
-bool Cancelled(const CancelFn& cancel) { return cancel && cancel(); }
-
-Error CancelledError(const char* where) { return Error(ErrorCode::kCancelled, std::string("cancelled during ") + where); }
+// The gate's verdict before a chunk of `where`, which the error names.
+Error PassGate(const ChunkGate& gate, const char* where) {
+  if (!gate) return Error::Ok();
+  Error e = gate();
+  if (e.ok()) return e;
+  return Error(e.code(), e.message() + " (stopped before a chunk of " + where + ")");
+}
 
 uint64_t SampleBytes(const LayerConfig& config) {
   if (!NeedsSamplePass(config)) return 0;
@@ -127,7 +131,7 @@ uint64_t WorkspaceBytes(const LayerConfig& config) {
 // ── Phases ──────────────────────────────────────────────────────────────────────────────────────
 
 Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-                const CpuOptions& options, const CancelFn& cancel) {
+                const CpuOptions& options, const ChunkGate& gate) {
   // Preconditions.
   if (Error e = Supported(config); !e.ok()) return e;
   if (Error e = CheckTensors(config, tensors, false); !e.ok()) return e;
@@ -167,7 +171,7 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
     stats.lambda.assign(hd, 1.0f);
     stats.lambda_v.assign(hd, 1.0f);
   }
-  if (Cancelled(cancel)) return CancelledError("the statistics pre-pass");
+  if (Error e = PassGate(gate, "the statistics pre-pass"); !e.ok()) return e;
 
   // Prologue: page table, offsets and statistics into the block; pages cleared.
   const KvLayout layout = PlanKvLayout(shape, config.ranges);
@@ -176,7 +180,7 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
 
   // Main loop: chunks of Tp tokens — GEMM into the workspace, then epilogue and packing.
   for (int64_t begin = 0; begin < n; begin += config.projection_chunk) {
-    if (Cancelled(cancel)) return CancelledError("the K/V projection");
+    if (Error e = PassGate(gate, "the K/V projection"); !e.ok()) return e;
     const int64_t rows = std::min(config.projection_chunk, n - begin);
     ParallelFor(threads, rows, [&](int64_t r) {
       ProjectRow(tensors.x + (begin + r) * hidden, tensors.w_qkv, hidden, hd, 2 * hd, ws + r * 2 * hd);
@@ -198,7 +202,7 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
 }
 
 Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const KvEntryView& kv,
-                  uint8_t* workspace, const CpuOptions& options, const CancelFn& cancel) {
+                  uint8_t* workspace, const CpuOptions& options, const ChunkGate& gate) {
   // Preconditions.
   if (Error e = Supported(config); !e.ok()) return e;
   if (Error e = CheckTensors(config, tensors, true); !e.ok()) return e;
@@ -221,7 +225,7 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
   uint16_t* q_ws = reinterpret_cast<uint16_t*>(workspace);  // bf16 [Tq, H·d]: Q in stored form
 
   for (int64_t begin = 0; begin < n; begin += config.query_chunk) {
-    if (Cancelled(cancel)) return CancelledError("attention");
+    if (Error e = PassGate(gate, "attention"); !e.ok()) return e;
     const int64_t rows = std::min(config.query_chunk, n - begin);
     // Q of the chunk, from x rows [begin, begin + rows) — read before any of them is overwritten.
     ParallelFor(threads, rows, [&](int64_t r) {
@@ -264,11 +268,11 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
 }
 
 Error RunLayer(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-               const CpuOptions& options, const CancelFn& cancel) {
-  if (Error e = ProjectKv(config, tensors, kv, workspace, options, cancel); !e.ok()) return e;
+               const CpuOptions& options, const ChunkGate& gate) {
+  if (Error e = ProjectKv(config, tensors, kv, workspace, options, gate); !e.ok()) return e;
   const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
   const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
-  return AttendLayer(config, tensors, view, workspace, options, cancel);
+  return AttendLayer(config, tensors, view, workspace, options, gate);
 }
 
 }  // namespace kvpack::cpu

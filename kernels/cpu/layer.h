@@ -31,13 +31,13 @@
 // accumulators and outputs): fine for 8 MiB default thread stacks.
 //
 // Errors: kvpack::Error values (never exceptions or aborts): Supported's message names the field;
-// kCancelled when the CancelFn, polled before each chunk, returns true.
+// the gate's error when the ChunkGate (layer_spec.h), called before each chunk, returns one (kCancelled
+// to cancel).
 //
 // Thread safety: functions are reentrant; each call uses up to CpuOptions::n_threads threads.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 
 #include "kernels/error.h"
 #include "kernels/layer_spec.h"
@@ -47,9 +47,6 @@ namespace kvpack::cpu {
 struct CpuOptions {
   int n_threads = 0;  // 0: std::thread::hardware_concurrency()
 };
-
-// Polled between chunks; returning true stops the call with ErrorCode::kCancelled.
-using CancelFn = std::function<bool()>;
 
 // ── The three questions ─────────────────────────────────────────────────────────────────────────
 
@@ -66,16 +63,16 @@ uint64_t WorkspaceBytes(const LayerConfig& config);
 // Projects K and V of all N tokens into `kv` (KvBytes(config) bytes, laid out by PlanKvLayout, tables
 // and statistics included). REQUIRES: Supported(config).ok(); workspace has WorkspaceBytes bytes.
 Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-                const CpuOptions& options, const CancelFn& cancel);
+                const CpuOptions& options, const ChunkGate& gate);
 
 // Projects Q chunk by chunk from tensors.x and attends to the entry `kv` (the same N tokens, so
 // query i has the sequence id and position of token i). Writes tensors.out.
 Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const KvEntryView& kv,
-                  uint8_t* workspace, const CpuOptions& options, const CancelFn& cancel);
+                  uint8_t* workspace, const CpuOptions& options, const ChunkGate& gate);
 
 // ProjectKv then AttendLayer; with config.in_place, tensors.out == tensors.x.
 Error RunLayer(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-               const CpuOptions& options, const CancelFn& cancel);
+               const CpuOptions& options, const ChunkGate& gate);
 
 // ── Pieces on float tensors (quality evaluation and tests) ──────────────────────────────────────
 

@@ -126,10 +126,7 @@ Error CheckTensors(const LayerConfig& c, const LayerTensors& t) {
   return Error::Ok();
 }
 
-Error Cancelled(const CancelFn& cancel) {
-  if (cancel && cancel()) return Error(ErrorCode::kCancelled, "cancelled between chunks");
-  return Error::Ok();
-}
+Error PassGate(const ChunkGate& gate) { return gate ? gate() : Error::Ok(); }
 
 int MaxPageBytes(const LayerConfig& c) {
   int bytes = 0;
@@ -203,7 +200,7 @@ uint64_t KvBytes(const LayerConfig& c) { return KvLayoutBytes(c.shape, c.ranges)
 uint64_t WorkspaceBytes(const LayerConfig& c) { return kBlasWorkspaceBytes + MainRegionBytes(c); }
 
 Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* workspace,
-                const CudaContext& ctx, const CancelFn& cancel) {
+                const CudaContext& ctx, const ChunkGate& gate) {
   // ── Preconditions ─────────────────────────────────────────────────────────────────────────────
   KVPACK_RETURN_IF_ERROR(Supported(c));
   KVPACK_RETURN_IF_ERROR(CheckTensors(c, t));
@@ -215,6 +212,7 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
   StageClock clock(ctx);
 
   // ── Tables: zeroed pages (unused slots read as zeros), page table and offsets ─────────────────
+  KVPACK_RETURN_IF_ERROR(PassGate(gate));  // the prologue and the pre-pass are one chunk of GPU work
   KVPACK_CUDA_RETURN(cudaMemsetAsync(kv, 0, layout.page_bytes, ctx.stream));
   std::vector<uint8_t> tables(layout.mu_k_offset - layout.pages_offset);
   WriteKvTables(layout, tables.data());
@@ -244,7 +242,7 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
   p.k_offsets = view.k_offsets, p.v_offsets = view.v_offsets;
   const int64_t tp = ProjectionRows(c);
   for (int64_t t0 = 0; t0 < n; t0 += tp) {
-    KVPACK_RETURN_IF_ERROR(Cancelled(cancel));
+    KVPACK_RETURN_IF_ERROR(PassGate(gate));
     const int64_t rows = std::min(tp, n - t0);
     GemmArgs g;
     g.a = t.x + t0 * hidden, g.lda = hidden;
@@ -260,7 +258,7 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
 }
 
 Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView& kv, uint8_t* workspace,
-                  const CudaContext& ctx, const CancelFn& cancel) {
+                  const CudaContext& ctx, const ChunkGate& gate) {
   KVPACK_RETURN_IF_ERROR(Supported(c));
   KVPACK_RETURN_IF_ERROR(CheckTensors(c, t));
   KVPACK_RETURN_IF_ERROR(AttentionSupported(kv));
@@ -288,7 +286,7 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
 
   const int64_t tq = QueryRows(c);
   for (int64_t q0 = 0; q0 < n; q0 += tq) {
-    KVPACK_RETURN_IF_ERROR(Cancelled(cancel));
+    KVPACK_RETURN_IF_ERROR(PassGate(gate));
     const int64_t rows = std::min(tq, n - q0);
     GemmArgs g;
     g.a = t.x + q0 * hidden, g.lda = hidden;
@@ -309,10 +307,10 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
 }
 
 Error RunLayer(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* workspace, const CudaContext& ctx,
-               const CancelFn& cancel) {
-  KVPACK_RETURN_IF_ERROR(ProjectKv(c, t, kv, workspace, ctx, cancel));
+               const ChunkGate& gate) {
+  KVPACK_RETURN_IF_ERROR(ProjectKv(c, t, kv, workspace, ctx, gate));
   const KvEntryView view = MakeKvView(PlanKvLayout(c.shape, c.ranges), c.shape, kv, c.transforms);
-  KVPACK_RETURN_IF_ERROR(AttendLayer(c, t, view, workspace, ctx, cancel));
+  KVPACK_RETURN_IF_ERROR(AttendLayer(c, t, view, workspace, ctx, gate));
   return CudaError(cudaStreamSynchronize(ctx.stream), "layer");
 }
 

@@ -18,14 +18,19 @@
 // asynchronously: a fault inside a kernel surfaces at the next synchronising call (RunLayer
 // synchronises the stream before it returns, ProjectKv and AttendLayer do not).
 //
-// Thread safety: reentrant; one CudaContext (stream + cuBLASLt handle) per calling thread.
+// Chunks: `gate` (layer_spec.h) is called before the prologue (tables, statistics pre-pass) and before
+// each projection and query chunk; its error stops the call. When it is called, the launches of the
+// previous chunk are enqueued but may still run: a gate that needs them finished (to hand the GPU to
+// another call) synchronises the stream itself.
+//
+// Thread safety: reentrant; one CudaContext (stream, and cuBLASLt workspace inside `workspace`) per
+// concurrent call; the cuBLASLt handle may be shared.
 #pragma once
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <functional>
 
 #include "kernels/cuda/attention.h"
 #include "kernels/error.h"
@@ -52,9 +57,6 @@ struct CudaContext {
   AttentionTilingChoice attention_tiling = AttentionTilingChoice::kAuto;
 };
 
-// Polled between chunks; returning true stops the call with ErrorCode::kCancelled.
-using CancelFn = std::function<bool()>;
-
 // ── The three questions ─────────────────────────────────────────────────────────────────────────
 
 // OK when the CUDA engine can run `config`; otherwise the error names the field. Beyond the shared
@@ -72,16 +74,16 @@ uint64_t WorkspaceBytes(const LayerConfig& config);
 // Projects K and V of all N tokens into `kv` (KvBytes(config) bytes, laid out by PlanKvLayout, tables
 // and statistics included). REQUIRES: Supported(config).ok(); workspace has WorkspaceBytes bytes.
 Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-                const CudaContext& context, const CancelFn& cancel);
+                const CudaContext& context, const ChunkGate& gate);
 
 // Projects Q chunk by chunk from tensors.x and attends to the entry `kv` (a device view of the same
 // N tokens: query i has the sequence id and position of token i). Writes tensors.out.
 Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const KvEntryView& kv,
-                  uint8_t* workspace, const CudaContext& context, const CancelFn& cancel);
+                  uint8_t* workspace, const CudaContext& context, const ChunkGate& gate);
 
 // ProjectKv then AttendLayer, then a stream synchronisation; with config.in_place,
 // tensors.out == tensors.x.
 Error RunLayer(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-               const CudaContext& context, const CancelFn& cancel);
+               const CudaContext& context, const ChunkGate& gate);
 
 }  // namespace kvpack::cuda

@@ -27,9 +27,6 @@
 
 namespace kvpack::server {
 
-// Polled between chunks; true stops the call with CANCELLED.
-using CancelFn = std::function<bool()>;
-
 struct DeviceMemory {
   bool present = false;  // false on the CPU backend
   uint64_t free_bytes = 0;
@@ -51,10 +48,19 @@ class Backend {
   virtual uint64_t IoBytes(const LayerConfig& config, const TensorResidency& resident) const = 0;
 
   // REQUIRES: Supported(config).ok(); kv has KvBytes, workspace WorkspaceBytes bytes (pool memory).
+  // `gate` (kernels/layer_spec.h) is called before each chunk; its error stops the call. On a backend
+  // that TakesTurns(), the work of the previous chunk has finished whenever the gate is called, so
+  // a gate that hands the device to another call hands it over idle. The call's work has finished
+  // when these return.
   virtual absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv,
-                                 uint8_t* workspace, const CancelFn& cancel) = 0;
+                                 uint8_t* workspace, const ChunkGate& gate) = 0;
   virtual absl::Status AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
-                                   uint8_t* workspace, const CancelFn& cancel) = 0;
+                                   uint8_t* workspace, const ChunkGate& gate) = 0;
+  // Whether calls running at once share one device and should take turns chunk by chunk through
+  // their gates (server/core/turns.h): true on the CUDA backend (one GPU, whose chunks run one at a
+  // time so that a short request need not wait for a whole long layer); false on the CPU backend,
+  // whose calls run side by side on their own threads.
+  virtual bool TakesTurns() const { return false; }
 
   // ── Memory ──
   virtual std::unique_ptr<Arena> CreateArena() = 0;

@@ -20,15 +20,15 @@ class CpuBackend final : public Backend {
   uint64_t IoBytes(const LayerConfig&, const TensorResidency&) const override { return 0; }
 
   absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-                         const CancelFn& cancel) override {
-    return ToStatus(cpu::ProjectKv(config, tensors, kv, workspace, options_, cancel));
+                         const ChunkGate& gate) override {
+    return ToStatus(cpu::ProjectKv(config, tensors, kv, workspace, options_, gate));
   }
 
   absl::Status AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
-                           uint8_t* workspace, const CancelFn& cancel) override {
+                           uint8_t* workspace, const ChunkGate& gate) override {
     const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
     const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
-    return ToStatus(cpu::AttendLayer(config, tensors, view, workspace, options_, cancel));
+    return ToStatus(cpu::AttendLayer(config, tensors, view, workspace, options_, gate));
   }
 
   std::unique_ptr<Arena> CreateArena() override { return MakeHostArena(); }

@@ -4,8 +4,10 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "kernels/cuda/layer.h"
 #include "server/backends/vmm_arena.h"
@@ -13,6 +15,10 @@
 
 namespace kvpack::server {
 namespace {
+
+// Streams of the pool: one per call running at once (executor threads, --threads, default 2, each
+// with at most one backend call in flight); more only wait.
+constexpr int kStreams = 8;
 
 absl::Status CudaStatus(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return absl::OkStatus();
@@ -40,15 +46,57 @@ class MallocArena final : public Arena {
   std::atomic<uint64_t> mapped_{0};
 };
 
+// Non-blocking streams created once; each call borrows one for its duration, so calls on several
+// executor threads never share a stream (and never a cuBLASLt workspace: that lives in each call's
+// own pool workspace). More calls than streams wait for one.
+class StreamPool {
+ public:
+  explicit StreamPool(std::vector<cudaStream_t> streams) : free_(std::move(streams)) {}
+  ~StreamPool() {
+    for (cudaStream_t s : free_) cudaStreamDestroy(s);
+  }
+
+  class Borrowed {
+   public:
+    Borrowed(StreamPool* pool, cudaStream_t stream) : pool_(pool), stream_(stream) {}
+    Borrowed(const Borrowed&) = delete;
+    Borrowed& operator=(const Borrowed&) = delete;
+    ~Borrowed() { pool_->Return(stream_); }
+    cudaStream_t get() const { return stream_; }
+
+   private:
+    StreamPool* pool_;
+    cudaStream_t stream_;
+  };
+
+  Borrowed Borrow() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !free_.empty(); });
+    cudaStream_t s = free_.back();
+    free_.pop_back();
+    return Borrowed(this, s);
+  }
+
+ private:
+  void Return(cudaStream_t s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      free_.push_back(s);
+    }
+    cv_.notify_one();
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<cudaStream_t> free_;
+};
+
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const CudaBackendOptions& options, cudaStream_t stream, cublasLtHandle_t blas)
-      : options_(options), stream_(stream), blas_(blas) {}
+  CudaBackend(const CudaBackendOptions& options, std::vector<cudaStream_t> streams, cublasLtHandle_t blas)
+      : options_(options), streams_(std::move(streams)), blas_(blas) {}
 
-  ~CudaBackend() override {
-    cublasLtDestroy(blas_);
-    cudaStreamDestroy(stream_);
-  }
+  ~CudaBackend() override { cublasLtDestroy(blas_); }
 
   std::string name() const override { return "cuda"; }
 
@@ -83,18 +131,23 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-                         const CancelFn& cancel) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return Finish(cuda::ProjectKv(config, tensors, kv, workspace, Context(), cancel));
+                         const ChunkGate& gate) override {
+    StreamPool::Borrowed stream = streams_.Borrow();
+    return Finish(cuda::ProjectKv(config, tensors, kv, workspace, Context(stream.get()), AfterIdle(gate, stream.get())),
+                  stream.get());
   }
 
   absl::Status AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
-                           uint8_t* workspace, const CancelFn& cancel) override {
+                           uint8_t* workspace, const ChunkGate& gate) override {
     const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
     const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
-    std::lock_guard<std::mutex> lock(mu_);
-    return Finish(cuda::AttendLayer(config, tensors, view, workspace, Context(), cancel));
+    StreamPool::Borrowed stream = streams_.Borrow();
+    return Finish(
+        cuda::AttendLayer(config, tensors, view, workspace, Context(stream.get()), AfterIdle(gate, stream.get())),
+        stream.get());
   }
+
+  bool TakesTurns() const override { return true; }
 
   // The VMM arena; plain cudaMalloc per allocation where the driver has no VMM support.
   std::unique_ptr<Arena> CreateArena() override {
@@ -104,17 +157,19 @@ class CudaBackend final : public Backend {
     return std::make_unique<MallocArena>();
   }
 
+  // Staging copies go on the call's own stream: copies of one request overlap another's kernels
+  // (the copy engines are separate from the SMs), which is why they take no GPU turn.
   absl::Status CopyToPool(void* dst, const void* src, uint64_t bytes) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    StreamPool::Borrowed stream = streams_.Borrow();
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream.get());
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream.get());
     return Sticky(CudaStatus(e, "copy to device"));
   }
 
   absl::Status CopyFromPool(void* dst, const void* src, uint64_t bytes) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+    StreamPool::Borrowed stream = streams_.Borrow();
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream.get());
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream.get());
     return Sticky(CudaStatus(e, "copy from device"));
   }
 
@@ -133,17 +188,34 @@ class CudaBackend final : public Backend {
   bool Healthy() const override { return healthy_.load(); }
 
  private:
-  cuda::CudaContext Context() const {
+  cuda::CudaContext Context(cudaStream_t stream) const {
     cuda::CudaContext context;
-    context.stream = stream_;
-    context.blas = blas_;
+    context.stream = stream;
+    context.blas = blas_;  // shared: a cuBLASLt handle holds no stream or workspace, both go with each call
     return context;
   }
 
+  // The caller's gate, called once the previous chunk's work on `stream` has finished: a gate that
+  // passes the GPU turn to another request then hands over an idle GPU, so the other request's chunk
+  // runs alone (the turn is the unit of priority). The cost is the host's launch latency of the next
+  // chunk (tens of µs) against chunks of milliseconds to a few hundred milliseconds.
+  static ChunkGate AfterIdle(const ChunkGate& gate, cudaStream_t stream) {
+    if (!gate) return nullptr;
+    return [&gate, stream]() -> Error {
+      if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {
+        return Error(ErrorCode::kInternal, std::string("chunk: ") + cudaGetErrorString(e));
+      }
+      return gate();
+    };
+  }
+
   // Waits for the launches of a call so that an error inside a kernel belongs to this request.
-  absl::Status Finish(const Error& error) {
-    if (!error.ok()) return Sticky(ToStatus(error));
-    return Sticky(CudaStatus(cudaStreamSynchronize(stream_), "layer"));
+  absl::Status Finish(const Error& error, cudaStream_t stream) {
+    if (!error.ok()) {
+      cudaStreamSynchronize(stream);  // the stream goes back to the pool idle
+      return Sticky(ToStatus(error));
+    }
+    return Sticky(CudaStatus(cudaStreamSynchronize(stream), "layer"));
   }
 
   absl::Status Sticky(absl::Status status) {
@@ -152,9 +224,8 @@ class CudaBackend final : public Backend {
   }
 
   const CudaBackendOptions options_;
-  cudaStream_t stream_;
+  StreamPool streams_;
   cublasLtHandle_t blas_;
-  std::mutex mu_;
   std::atomic<bool> healthy_{true};
 };
 
@@ -184,18 +255,26 @@ std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions& options, std:
   }
   CudaBackendOptions resolved = options;
   if (resolved.reserve_bytes == 0) resolved.reserve_bytes = prop.totalGlobalMem;  // address space is cheap
-  cudaStream_t stream = nullptr;
-  cublasLtHandle_t blas = nullptr;
-  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
-    *why = "cudaStreamCreate failed";
-    return nullptr;
+  std::vector<cudaStream_t> streams;
+  const auto destroy = [&] {
+    for (cudaStream_t s : streams) cudaStreamDestroy(s);
+  };
+  for (int i = 0; i < kStreams; ++i) {
+    cudaStream_t stream = nullptr;
+    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+      destroy();
+      *why = "cudaStreamCreate failed";
+      return nullptr;
+    }
+    streams.push_back(stream);
   }
+  cublasLtHandle_t blas = nullptr;
   if (cublasLtCreate(&blas) != CUBLAS_STATUS_SUCCESS) {
-    cudaStreamDestroy(stream);
+    destroy();
     *why = "cublasLtCreate failed";
     return nullptr;
   }
-  return std::make_unique<CudaBackend>(resolved, stream, blas);
+  return std::make_unique<CudaBackend>(resolved, std::move(streams), blas);
 }
 
 }  // namespace kvpack::server

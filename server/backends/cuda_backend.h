@@ -2,8 +2,10 @@
 // (vmm_arena.h). Inputs and outputs are device memory; the service copies inline and shared-memory
 // tensors into pool memory first (IoBytes says how much the plan must reserve for that).
 //
-// GPU work of all callers is serialised on one stream: the scheduler decides the order. A CUDA
-// error inside a call is sticky: Healthy() turns false and the daemon reports NOT_SERVING.
+// Each call runs on its own stream from a small pool, and TakesTurns(): the engine's gate hands the
+// GPU to one request per chunk (server/core/turns.h), so long layers of several requests interleave
+// chunk by chunk. A CUDA error inside a call is sticky: Healthy() turns false and the daemon reports
+// NOT_SERVING.
 #pragma once
 
 #include <cstdint>

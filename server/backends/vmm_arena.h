@@ -1,8 +1,10 @@
 // Device memory for the pool through CUDA virtual memory management (DESIGN.md §5).
 //
 // One virtual range is reserved once; physical memory is created and mapped in 2 MiB chunks (the
-// device's allocation granularity) only under live allocations, and chunks left idle are unmapped as
-// soon as the mapped total is above `keep_mapped_bytes`, so a frontend on the same GPU gets them back.
+// device's allocation granularity) only under live allocations. Chunks left idle stay mapped (the next
+// request of the same size maps nothing) until Trim(), which unmaps them while the mapped total is
+// above `keep_mapped_bytes`, so a frontend on the same GPU gets them back; the engine trims once the
+// daemon has been idle for a second.
 // Allocations are first-fit in the virtual range, so a freed hole is reused without touching physical
 // memory; two allocations may share a chunk (refcounted).
 //

@@ -47,6 +47,9 @@ class Arena {
   virtual void Free(void* ptr, uint64_t bytes) = 0;
   // Physical bytes behind the arena (equals allocated bytes for host memory).
   virtual uint64_t MappedBytes() const = 0;
+  // Returns idle physical memory kept mapped after Free (the VMM arena keeps it for the next
+  // request) to the device, down to the arena's floor. Host arenas keep nothing.
+  virtual void Trim() {}
 };
 
 // Host memory, 256-byte aligned, zero-filled.
@@ -83,6 +86,8 @@ class Pool {
   Pool& operator=(const Pool&) = delete;
 
   uint64_t budget() const { return budget_; }
+  // Arena::Trim: idle physical memory back to the device.
+  void Trim() { arena_->Trim(); }
 
   // Sets aside `bytes` (rounded) of the free bytes. RESOURCE_EXHAUSTED when they are not free now.
   absl::StatusOr<Reservation> Reserve(uint64_t bytes);

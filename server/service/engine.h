@@ -26,6 +26,7 @@
 #include "server/core/planner.h"
 #include "server/core/pool.h"
 #include "server/core/scheduler.h"
+#include "server/core/turns.h"
 #include "server/service/metrics.h"
 #include "server/service/registry.h"
 
@@ -34,6 +35,7 @@ namespace kvpack::server {
 struct EngineOptions {
   uint64_t budget_bytes = 0;
   SchedulerOptions scheduler;
+  TurnOptions turns;  // GPU turns between running requests, on backends that TakesTurns()
   int executor_threads = 1;
   absl::Duration lease = absl::Minutes(10);
   int64_t max_chunk_tokens = 16384;  // cap on Tp and Tq: the CPU backend stops between chunks
@@ -65,11 +67,15 @@ struct LayerJob {
   std::unique_ptr<uint8_t[]> out_buf;
   std::atomic<bool> cancelled{false};
   std::atomic<uint64_t> ticket{0};    // scheduler id while waiting
+  std::atomic<uint64_t> turn{0};      // TurnArbiter id while running on a backend that TakesTurns()
 
   // Results.
   std::string kv_handle;
   uint64_t peak_bytes = 0;
+  // Where the daemon's time went (LayerResult.seconds): project and attend include turn_wait;
+  // allocate is taking the pool memory (mapping physical chunks on the GPU), release giving it back.
   double queue_seconds = 0, project_seconds = 0, attend_seconds = 0, transfer_seconds = 0;
+  double allocate_seconds = 0, turn_wait_seconds = 0, release_seconds = 0;
   std::function<void(absl::Status)> done;
 };
 
@@ -98,7 +104,8 @@ class Engine {
 
   // Queues the job; done() is called once, possibly before Submit returns.
   void Submit(std::shared_ptr<LayerJob> job);
-  // Stops a job: removes it from the queue, or flags it so the backend stops at the next chunk.
+  // Stops a job: removes it from the queue, or flags it so the backend stops at the next chunk (a
+  // job waiting for a GPU turn stops waiting at once).
   void Cancel(const std::shared_ptr<LayerJob>& job);
 
   // Periodic work: deadlines in the queue, expired leases.
@@ -116,6 +123,9 @@ class Engine {
   absl::Status StageOnDevice(LayerJob& job, Pool::Reservation& reservation, LayerTensors* tensors, Pool::Lease* io,
                              uint16_t** host_out);
   absl::Status RunLocked(LayerJob& job, Pool::Reservation& reservation);
+  // The gate of the job's backend calls: stops on cancel or deadline, and takes the job's GPU turn
+  // for each chunk when turns are on.
+  ChunkGate GateOf(LayerJob& job);
   // The quota share of an admitted job: its tenant's pool bytes plus the peaks of its other
   // admitted jobs plus this one stay within --tenant_quota (conservative: a running job's
   // allocations count in both terms).
@@ -128,11 +138,13 @@ class Engine {
   std::unique_ptr<Pool> pool_;
   Registry registry_;
   std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<TurnArbiter> turns_;  // null on backends whose calls run side by side (CPU)
   std::unique_ptr<Metrics> metrics_;
   mutable std::mutex mu_;
   std::map<std::string, int> running_;  // by tenant
   std::map<std::string, uint64_t> claimed_;  // by tenant: predicted peaks of admitted jobs (quota)
   int running_total_ = 0;
+  absl::Time last_finished_ = absl::InfinitePast();  // when the last job ended (idle trimming)
   std::unique_ptr<Executor> executor_;  // last: joined first on destruction
 };
 

@@ -148,7 +148,9 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
                             (output.mode() == v1::OUTPUT_IN_PLACE && request->resident.x);
     job->resident = request->resident;
 
+    const absl::Time plan_start = absl::Now();
     absl::StatusOr<LayerPlan> plan = engine.Plan(tenant_, *request, job->kv_in.get());
+    plan_seconds_ = absl::ToDoubleSeconds(absl::Now() - plan_start);
     if (!plan.ok()) return plan.status();
     if (!plan->fits) return absl::ResourceExhaustedError(plan->reason);
     job->plan = std::move(*plan);
@@ -334,7 +336,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
         return;
       }
     }
-    upload_seconds_ = absl::ToDoubleSeconds(absl::Now() - header_start_);
+    upload_seconds_ = absl::ToDoubleSeconds(absl::Now() - header_start_) - plan_seconds_;
     std::shared_ptr<LayerJob> job;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -366,6 +368,11 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     sec->set_project(job_->project_seconds);
     sec->set_attend(job_->attend_seconds);
     sec->set_transfer(upload_seconds_ + job_->transfer_seconds);
+    sec->set_plan(plan_seconds_);
+    sec->set_allocate(job_->allocate_seconds);
+    sec->set_turn_wait(job_->turn_wait_seconds);
+    sec->set_release(job_->release_seconds);
+    sec->set_total(absl::ToDoubleSeconds(absl::Now() - header_start_));
     if (out_inline_ != nullptr) result->set_output_bytes(job_->out_bytes);
     download_start_ = absl::Now();
     StartWrite(&out_);
@@ -417,7 +424,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
   uint8_t* out_inline_ = nullptr;
   uint64_t sent_ = 0;
   absl::Time header_start_, download_start_;
-  double upload_seconds_ = 0;
+  double upload_seconds_ = 0, plan_seconds_ = 0;
   std::atomic<bool> submitted_{false};
   std::mutex mu_;
   std::shared_ptr<LayerJob> job_;

@@ -108,6 +108,11 @@ Metrics::Metrics(std::string version, std::string backend, std::function<GaugeVa
   const std::vector<double> seconds = Exponential(0.0005, 2.0, 18);  // 0.5 ms .. ~65 s
   const char* names[] = {"queue", "project", "attend", "transfer"};
   for (int i = 0; i < 4; ++i) stages_[i] = &stages.Add({{"stage", names[i]}}, seconds);
+  turn_wait_ = &prometheus::BuildHistogram()
+                    .Name("kvpack_gpu_turn_wait_seconds")
+                    .Help("Time a request waited for GPU turns while other requests' chunks ran")
+                    .Register(*registry_)
+                    .Add({}, seconds);
   auto& peak = prometheus::BuildHistogram()
                    .Name("kvpack_request_peak_bytes")
                    .Help("Peak pool bytes a request held")
@@ -145,6 +150,7 @@ void Metrics::RecordRequest(const std::string& method, const char* code) {
 }
 
 void Metrics::ObserveStage(Stage stage, double seconds) { stages_[static_cast<int>(stage)]->Observe(seconds); }
+void Metrics::ObserveTurnWait(double seconds) { turn_wait_->Observe(seconds); }
 void Metrics::ObservePeakBytes(uint64_t bytes) { peak_->Observe(static_cast<double>(bytes)); }
 void Metrics::AddTokens(PageFormat format, uint64_t tokens) {
   tokens_[static_cast<int>(format)]->Increment(static_cast<double>(tokens));

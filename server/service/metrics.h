@@ -56,6 +56,8 @@ class Metrics {
 
   void RecordRequest(const std::string& method, const char* code);
   void ObserveStage(Stage stage, double seconds);
+  // A request's total wait for GPU turns (backends that TakesTurns()).
+  void ObserveTurnWait(double seconds);
   void ObservePeakBytes(uint64_t bytes);
   void AddTokens(PageFormat format, uint64_t tokens);
   void AddDowngrades(uint64_t ranges);
@@ -71,6 +73,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* requests_ = nullptr;
   std::array<prometheus::Histogram*, 4> stages_{};
   prometheus::Histogram* peak_ = nullptr;
+  prometheus::Histogram* turn_wait_ = nullptr;
   std::array<prometheus::Counter*, kNumPageFormats> tokens_{};
   prometheus::Counter* downgrades_ = nullptr;
 };

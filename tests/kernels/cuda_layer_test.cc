@@ -328,7 +328,7 @@ TEST(CudaLayer, CancelStopsBetweenChunks) {
   ASSERT_CUDA(cudaStreamCreate(&ctx.stream));
   ASSERT_EQ(cublasLtCreate(&ctx.blas), CUBLAS_STATUS_SUCCESS);
   int polls = 0;
-  const Error e = RunLayer(c, t, kv.as<uint8_t>(), ws.as<uint8_t>(), ctx, [&] { return ++polls == 2; });
+  const Error e = RunLayer(c, t, kv.as<uint8_t>(), ws.as<uint8_t>(), ctx, CancelGate([&] { return ++polls == 2; }));
   EXPECT_EQ(e.code(), ErrorCode::kCancelled) << e.message();
   EXPECT_EQ(polls, 2);
   ASSERT_CUDA(cudaStreamSynchronize(ctx.stream));

@@ -205,7 +205,7 @@ TEST(Layer, CancellationStopsBetweenChunks) {
   L.config.projection_chunk = 40;
   std::vector<uint8_t> kv(KvBytes(L.config)), ws(WorkspaceBytes(L.config));
   std::atomic<int> polls{0};
-  const CancelFn cancel = [&] { return ++polls > 3; };
+  const ChunkGate cancel = CancelGate([&] { return ++polls > 3; });
   const Error e = RunLayer(L.config, L.Tensors(), kv.data(), ws.data(), CpuOptions{2}, cancel);
   EXPECT_EQ(e.code(), ErrorCode::kCancelled);
   EXPECT_NE(e.message().find("projection"), std::string::npos) << e.message();
@@ -217,7 +217,7 @@ TEST(Layer, CancellationDuringAttentionIsReported) {
   L.config.query_chunk = 50;
   std::vector<uint8_t> kv(KvBytes(L.config)), ws(WorkspaceBytes(L.config));
   std::atomic<int> polls{0};
-  const CancelFn cancel = [&] { return ++polls > 3; };
+  const ChunkGate cancel = CancelGate([&] { return ++polls > 3; });
   const Error e = RunLayer(L.config, L.Tensors(), kv.data(), ws.data(), CpuOptions{2}, cancel);
   EXPECT_EQ(e.code(), ErrorCode::kCancelled);
   EXPECT_NE(e.message().find("attention"), std::string::npos) << e.message();

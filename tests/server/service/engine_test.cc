@@ -4,8 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <future>
+#include <mutex>
 
 #include "client/synthetic.h"
 #include "server/backends/cpu_backend.h"
@@ -14,8 +17,9 @@
 namespace kvpack::server {
 namespace {
 
-// The CPU backend, but it claims not to read host memory, so the engine stages x, positions and the
-// output through the I/O block like it will for the CUDA backend.
+// The CPU backend, but it claims not to read host memory and to take GPU turns, so the engine stages
+// x, positions and the output through the I/O block and gates every chunk with a turn as it does for
+// the CUDA backend. It counts the chunks running at once.
 class FakeDeviceBackend final : public Backend {
  public:
   FakeDeviceBackend() : cpu_(MakeCpuBackend(1)) {}
@@ -25,15 +29,22 @@ class FakeDeviceBackend final : public Backend {
   uint64_t WorkspaceBytes(const LayerConfig& c) const override { return cpu_->WorkspaceBytes(c); }
   uint64_t IoBytes(const LayerConfig& c, const TensorResidency& r) const override { return HostStagingBytes(c, r); }
   absl::Status ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* ws,
-                         const CancelFn& cancel) override {
+                         const ChunkGate& gate) override {
     ++project_calls;
-    return cpu_->ProjectKv(c, t, kv, ws, cancel);
+    bool in_chunk = false;
+    absl::Status s = cpu_->ProjectKv(c, t, kv, ws, Counted(gate, &in_chunk));
+    EndChunk(&in_chunk);
+    return s;
   }
   absl::Status AttendLayer(const LayerConfig& c, const LayerTensors& t, const uint8_t* kv, uint8_t* ws,
-                           const CancelFn& cancel) override {
+                           const ChunkGate& gate) override {
     last_out = t.out;
-    return cpu_->AttendLayer(c, t, kv, ws, cancel);
+    bool in_chunk = false;
+    absl::Status s = cpu_->AttendLayer(c, t, kv, ws, Counted(gate, &in_chunk));
+    EndChunk(&in_chunk);
+    return s;
   }
+  bool TakesTurns() const override { return true; }
   std::unique_ptr<Arena> CreateArena() override { return MakeHostArena(); }
   absl::Status CopyToPool(void* d, const void* s, uint64_t n) override {
     copied_in += n;
@@ -47,11 +58,35 @@ class FakeDeviceBackend final : public Backend {
   }
   bool ReadsHostMemory() const override { return false; }
 
-  int project_calls = 0;
-  uint64_t copied_in = 0, copied_out = 0;
+  std::atomic<int> project_calls{0};
+  std::atomic<uint64_t> copied_in{0}, copied_out{0};
   const uint16_t* last_out = nullptr;
+  int max_running_chunks = 0;  // most chunks of all calls running at once
+  int chunks = 0;
 
  private:
+  // The engine's gate; a chunk runs from its gate's OK to the next gate call or the call's end.
+  ChunkGate Counted(const ChunkGate& gate, bool* in_chunk) {
+    return [this, &gate, in_chunk]() -> Error {
+      EndChunk(in_chunk);
+      Error e = gate();
+      if (e.ok()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        *in_chunk = true;
+        ++chunks;
+        max_running_chunks = std::max(max_running_chunks, ++running_chunks_);
+      }
+      return e;
+    };
+  }
+  void EndChunk(bool* in_chunk) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (*in_chunk) --running_chunks_;
+    *in_chunk = false;
+  }
+
+  std::mutex mu_;
+  int running_chunks_ = 0;
   std::unique_ptr<Backend> cpu_;
 };
 
@@ -169,6 +204,32 @@ TEST(Engine, StagesHostTensorsForDeviceBackends) {
   EXPECT_EQ(fake->copied_out, out_bytes);
   EXPECT_NE(fake->last_out, nullptr);
   EXPECT_EQ(engine.pool().Snapshot().high_water, testing::WeightsPoolBytes(L) + staged.peak);
+  EXPECT_EQ(engine.pool().Snapshot().allocated, 0u);
+}
+
+TEST(Engine, ConcurrentLayersOnADeviceTakeTurnsChunkByChunk) {
+  SystemClock clock;
+  EngineOptions options = Options();
+  options.executor_threads = 3;
+  options.max_chunk_tokens = 64;  // several chunks per layer, so the calls have turns to interleave
+  auto device = std::make_unique<FakeDeviceBackend>();
+  FakeDeviceBackend* fake = device.get();
+  Engine engine(options, std::move(device), &clock);
+  Engine reference(Options(), MakeCpuBackend(1), &clock);
+  const client::SyntheticLayer a = client::MakeSyntheticLayer(testing::SmallSpec(45));
+  const client::SyntheticLayer b = client::MakeSyntheticLayer(testing::SmallSpec(46));
+  std::vector<std::future<Ran>> runs;
+  for (int i = 0; i < 3; ++i) {
+    runs.push_back(std::async(std::launch::async, [&, i] { return RunOnEngine(engine, i == 1 ? b : a); }));
+  }
+  const Ran want_a = RunOnEngine(reference, a), want_b = RunOnEngine(reference, b);
+  for (int i = 0; i < 3; ++i) {
+    Ran got = runs[i].get();
+    ASSERT_TRUE(got.status.ok()) << got.status;
+    EXPECT_TRUE(got.out == (i == 1 ? want_b : want_a).out) << "run " << i;
+  }
+  EXPECT_GT(fake->chunks, 3 * 2);
+  EXPECT_EQ(fake->max_running_chunks, 1) << "two calls' chunks ran at once: the turn did not serialise them";
   EXPECT_EQ(engine.pool().Snapshot().allocated, 0u);
 }
 
