@@ -166,6 +166,18 @@ absl::StatusOr<v1::LayerResult> Client::Attend(v1::LayerHeader header, const Lay
   return RunLayer(Method::kAttend, std::move(header), data, timeout);
 }
 
+uint64_t ProjectedBytes(const v1::LayerHeader& header) {
+  const v1::LayerShape& s = header.shape();
+  const uint64_t n = static_cast<uint64_t>(std::max<int64_t>(s.n_tokens(), 0));
+  const uint64_t hd = static_cast<uint64_t>(std::max(s.n_heads(), 0)) * static_cast<uint64_t>(std::max(s.head_dim(), 0));
+  const v1::ProjectedQkv& p = header.projected();
+  if (p.layout() == v1::ProjectedQkv::LAYOUT_TOKEN_MAJOR && n > 0) {
+    const uint64_t stride = p.row_stride() > 0 ? static_cast<uint64_t>(p.row_stride()) : hd;
+    return 2 * ((n - 1) * stride + hd);
+  }
+  return 2 * n * hd;
+}
+
 absl::StatusOr<v1::LayerResult> Client::RunLayer(Method method, v1::LayerHeader header, const LayerData& data,
                                                  absl::Duration timeout) {
   const v1::LayerShape& shape = header.shape();
@@ -177,6 +189,19 @@ absl::StatusOr<v1::LayerResult> Client::RunLayer(Method method, v1::LayerHeader 
       data.positions != nullptr && header.positions().location_case() == v1::TensorRef::LOCATION_NOT_SET;
   if (x_inline) header.mutable_x()->set_inline_bytes(x_bytes);
   if (pos_inline) header.mutable_positions()->set_inline_bytes(pos_bytes);
+  // Pre-projected q, k, v: the same rule per tensor.
+  const bool projected = header.input_case() == v1::LayerHeader::kProjected;
+  const uint64_t qkv_bytes = projected ? ProjectedBytes(header) : 0;
+  const void* qkv_data[3] = {data.q, data.k, data.v};
+  bool qkv_inline[3] = {false, false, false};
+  if (projected) {
+    v1::ProjectedQkv* p = header.mutable_projected();
+    v1::TensorRef* refs[3] = {p->mutable_q(), p->mutable_k(), p->mutable_v()};
+    for (int i = 0; i < 3; ++i) {
+      qkv_inline[i] = qkv_data[i] != nullptr && refs[i]->location_case() == v1::TensorRef::LOCATION_NOT_SET;
+      if (qkv_inline[i]) refs[i]->set_inline_bytes(qkv_bytes);
+    }
+  }
 
   grpc::ClientContext context;
   Prepare(&context, timeout);
@@ -193,6 +218,10 @@ absl::StatusOr<v1::LayerResult> Client::RunLayer(Method method, v1::LayerHeader 
   if (ok && x_inline) ok = SendChunks<Stream, v1::LayerRequest>(stream.get(), v1::TENSOR_X, data.x, x_bytes);
   if (ok && pos_inline) {
     ok = SendChunks<Stream, v1::LayerRequest>(stream.get(), v1::TENSOR_POSITIONS, data.positions, pos_bytes);
+  }
+  const v1::TensorId qkv_ids[3] = {v1::TENSOR_Q, v1::TENSOR_K, v1::TENSOR_V};
+  for (int i = 0; i < 3 && ok; ++i) {
+    if (qkv_inline[i]) ok = SendChunks<Stream, v1::LayerRequest>(stream.get(), qkv_ids[i], qkv_data[i], qkv_bytes);
   }
   stream->WritesDone();
 

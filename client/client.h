@@ -45,7 +45,15 @@ struct LayerData {
   const void* positions = nullptr;  // float [N, axes], sent inline when non-null
   void* out = nullptr;              // bf16 [N, H·d], filled from the inline output when non-null
   uint64_t out_capacity = 0;
+  // Pre-projected input (header.projected): bf16, each ProjectedBytes(header) bytes, sent inline
+  // when non-null and the header leaves that tensor's reference unset.
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
 };
+
+// Bytes of each of q, k, v that header.projected describes (its layout, row stride, shape).
+uint64_t ProjectedBytes(const v1::LayerHeader& header);
 
 class Client {
  public:

@@ -126,6 +126,38 @@ Error ValidateQkNorm(const QkNormOptions& norm, const LayerShape& shape) {
   return Error::Ok();
 }
 
+int64_t ProjectedLayout::SpanElements(const LayerShape& shape) const {
+  if (shape.n_tokens <= 0 || shape.n_heads <= 0) return 0;
+  return Offset(shape.n_tokens - 1, shape.n_heads - 1) + shape.head_dim;
+}
+
+Error ValidateProjected(const LayerConfig& config) {
+  const ProjectedLayout& p = config.projected;
+  if (!p.enabled) return Error::Ok();
+  const LayerShape& s = config.shape;
+  if (config.has_bias) return InvalidArgument("projected input: has_bias must be off (the caller added the bias)");
+  if (config.qk_norm.enabled) return InvalidArgument("projected input: qk_norm must be off (the caller applied it)");
+  if (config.rope.layout != RopeLayout::kNone) {
+    return InvalidArgument("projected input: rope must be off (the caller applied it)");
+  }
+  if (config.in_place) return InvalidArgument("projected input: in_place is not supported (there is no x)");
+  if (p.batch_tokens <= 0 || p.token_stride < 0 || p.head_stride < 0 || p.batch_stride < 0) {
+    return InvalidArgument("projected: batch_tokens must be positive and strides non-negative");
+  }
+  // Rows of one token's heads must not overlap one another or the next token's.
+  const bool token_major = p.head_stride == s.head_dim && p.token_stride >= s.HeadCols();
+  const bool head_major = p.token_stride == s.head_dim && p.head_stride >= p.batch_tokens * s.head_dim;
+  if (!token_major && !head_major) {
+    return InvalidArgument("projected: strides (token " + std::to_string(p.token_stride) + ", head " +
+                           std::to_string(p.head_stride) + ") let rows of different heads or tokens overlap");
+  }
+  if (p.batch_tokens < s.n_tokens && p.batch_stride < static_cast<int64_t>(s.n_heads) * p.head_stride) {
+    return InvalidArgument("projected: batch_stride = " + std::to_string(p.batch_stride) +
+                           " overlaps the previous batch element");
+  }
+  return Error::Ok();
+}
+
 namespace {
 
 uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }

@@ -76,6 +76,27 @@ struct AttentionOptions {
   bool causal = false;         // key position ≤ query position (token index), within a sequence
 };
 
+// Where pre-projected Q, K and V rows sit (LayerConfig::projected): element c of head h of token t
+// is at element offset Offset(t, h) + c of each of LayerTensors::q, k, v (bf16). Tokens come in
+// blocks of batch_tokens (a batch element), so both a [N, H·d] row layout with any row stride and a
+// [B, H, N/B, d] head-major layout are described without copying:
+//   token-major  token_stride = row stride, head_stride = d,      batch_tokens = N, batch_stride = 0
+//   head-major   token_stride = d,          head_stride = M·d,    batch_tokens = M, batch_stride = H·M·d
+// Strides are in elements and non-negative; head_dim channels of one row are contiguous.
+struct ProjectedLayout {
+  bool enabled = false;
+  int64_t token_stride = 0;
+  int64_t head_stride = 0;
+  int64_t batch_tokens = 0;  // ≥ 1 when enabled
+  int64_t batch_stride = 0;
+
+  int64_t Offset(int64_t token, int head) const {
+    return token / batch_tokens * batch_stride + token % batch_tokens * token_stride + head * head_stride;
+  }
+  // Elements one tensor spans: the last element of the last token's last head, plus one.
+  int64_t SpanElements(const LayerShape& shape) const;
+};
+
 // ── Tensors ─────────────────────────────────────────────────────────────────────────────────────
 
 // Per-(head, channel) statistics, each [n_heads · head_dim] floats. With smoothing off μ is zero;
@@ -99,6 +120,10 @@ struct LayerTensors {
   const float* k_norm_weight = nullptr;     // [QkNormOptions::weight_len] or null
   const float* positions = nullptr;         // [N, RopeOptions::n_axes] or null without RoPE
   uint16_t* out = nullptr;                  // bf16 [N, H·d]; may equal x when D == H·d (in place)
+  // With LayerConfig::projected instead of x and the weights: rows placed by projected.Offset.
+  const uint16_t* q = nullptr;
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
 };
 
 // Called by the layer drivers (cpu/layer.h, cuda/layer.h) before each chunk of work: the statistics
@@ -145,6 +170,9 @@ struct LayerConfig {
   int64_t projection_chunk = 4096;       // Tp: tokens per streamed K/V projection chunk
   int64_t query_chunk = 4096;            // Tq: tokens per query chunk (Q projected, attended, written)
   bool in_place = false;                 // tensors.out == tensors.x (needs hidden == H·d)
+  // Pre-projected input: tensors.q/k/v instead of x and weights. No GEMM runs; bias, QK-norm and
+  // RoPE must be off (the caller applied them), in_place must be false; hidden is unused.
+  ProjectedLayout projected;
   const KvStats* stats = nullptr;        // caller's μ, λ, λ_v; null → the strided pre-pass computes them
 };
 
@@ -198,5 +226,9 @@ Error ValidateShape(const LayerShape& shape, bool for_gpu);
 // Checks RoPE and QK-norm options against head_dim / n_heads.
 Error ValidateRope(const RopeOptions& rope, int head_dim);
 Error ValidateQkNorm(const QkNormOptions& norm, const LayerShape& shape);
+
+// With config.projected.enabled: bias, QK-norm, RoPE and in_place off, strides that keep heads and
+// tokens apart (token-major rows hold H·d values; head-major blocks hold M rows). OK otherwise.
+Error ValidateProjected(const LayerConfig& config);
 
 }  // namespace kvpack

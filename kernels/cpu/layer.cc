@@ -48,8 +48,14 @@ Error CheckStats(const KvStats& stats, const LayerShape& shape) {
 }
 
 Error CheckTensors(const LayerConfig& config, const LayerTensors& t, bool needs_out) {
-  if (t.x == nullptr) return InvalidArgument("tensors.x is null");
-  if (t.w_qkv == nullptr) return InvalidArgument("tensors.w_qkv is null");
+  if (config.projected.enabled) {
+    if (needs_out ? t.q == nullptr : (t.k == nullptr || t.v == nullptr)) {
+      return InvalidArgument(needs_out ? "tensors.q is null" : "tensors.k / tensors.v are null");
+    }
+  } else {
+    if (t.x == nullptr) return InvalidArgument("tensors.x is null");
+    if (t.w_qkv == nullptr) return InvalidArgument("tensors.w_qkv is null");
+  }
   if (config.has_bias && t.bias == nullptr) return InvalidArgument("tensors.bias is null but has_bias is set");
   if (config.qk_norm.enabled && (t.q_norm_weight == nullptr || t.k_norm_weight == nullptr)) {
     return InvalidArgument("tensors.q_norm_weight / k_norm_weight are null but qk_norm.enabled is set");
@@ -72,12 +78,29 @@ Error PassGate(const ChunkGate& gate, const char* where) {
   return Error(e.code(), e.message() + " (stopped before a chunk of " + where + ")");
 }
 
+// The bf16 K and V rows of (token, head): in the projection workspace, or in the caller's tensors.
+struct RowPair {
+  const uint16_t* k;
+  const uint16_t* v;
+};
+RowPair WorkspaceRows(const uint16_t* ws_row, int64_t hd, int h, int d) {
+  const uint16_t* k = ws_row + static_cast<int64_t>(h) * d;
+  return {k, k + hd};
+}
+RowPair GivenRows(const LayerTensors& t, const ProjectedLayout& layout, int64_t token, int h) {
+  const int64_t at = layout.Offset(token, h);
+  return {t.k + at, t.v + at};
+}
+
+// With projected input the pre-pass and the K/V chunks read the caller's rows: no projection
+// workspace, only the queries in stored form.
 uint64_t SampleBytes(const LayerConfig& config) {
-  if (!NeedsSamplePass(config)) return 0;
+  if (!NeedsSamplePass(config) || config.projected.enabled) return 0;
   return static_cast<uint64_t>(StatsSampleCount(config.shape.n_tokens, config.transforms)) *
          (2 * config.shape.HeadCols()) * kBf16Bytes;
 }
 uint64_t ProjectionBytes(const LayerConfig& config) {
+  if (config.projected.enabled) return 0;
   return static_cast<uint64_t>(std::min(config.projection_chunk, config.shape.n_tokens)) *
          (2 * config.shape.HeadCols()) * kBf16Bytes;
 }
@@ -96,6 +119,7 @@ Error Supported(const LayerConfig& config) {
   if (Error e = ValidateRanges(shape.n_tokens, config.ranges); !e.ok()) return e;
   if (Error e = ValidateRope(config.rope, shape.head_dim); !e.ok()) return e;
   if (Error e = ValidateQkNorm(config.qk_norm, shape); !e.ok()) return e;
+  if (Error e = ValidateProjected(config); !e.ok()) return e;
   if (config.projection_chunk <= 0) {
     return InvalidArgument("projection_chunk = " + std::to_string(config.projection_chunk) + " must be positive");
   }
@@ -143,6 +167,7 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
   const int64_t hd = shape.HeadCols();
   const int threads = ResolveThreadCount(options.n_threads);
   const EpilogueParams epilogue = MakeEpilogueParams(config, tensors);
+  const ProjectedLayout& projected = config.projected;
   uint16_t* ws = reinterpret_cast<uint16_t*>(workspace);  // bf16 [rows, 2·H·d]: K columns, then V
 
   // Statistics pre-pass: project the sampled tokens' K and V (bf16 [S, 2·H·d] in the workspace),
@@ -152,17 +177,20 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
     stats = *config.stats;
   } else if (NeedsSamplePass(config)) {
     const int64_t s = StatsSampleCount(n, config.transforms);
-    ParallelFor(threads, s, [&](int64_t i) {
-      const int64_t t = StatsSampleToken(i, n, s);
-      ProjectRow(tensors.x + t * hidden, tensors.w_qkv, hidden, hd, 2 * hd, ws + i * 2 * hd);
-    });
+    if (!projected.enabled) {
+      ParallelFor(threads, s, [&](int64_t i) {
+        const int64_t t = StatsSampleToken(i, n, s);
+        ProjectRow(tensors.x + t * hidden, tensors.w_qkv, hidden, hd, 2 * hd, ws + i * 2 * hd);
+      });
+    }
     stats = StatsFromSample(
         s, shape, config.transforms,
         [&](int64_t i, int h, float* k_row, float* v_row) {
           const int64_t t = StatsSampleToken(i, n, s);
-          const uint16_t* row = ws + i * 2 * hd;
-          EpilogueRow(epilogue, Proj::kK, t, h, row + static_cast<int64_t>(h) * d, k_row);
-          EpilogueRow(epilogue, Proj::kV, t, h, row + hd + static_cast<int64_t>(h) * d, v_row);
+          const RowPair rows = projected.enabled ? GivenRows(tensors, projected, t, h)
+                                                 : WorkspaceRows(ws + i * 2 * hd, hd, h, d);
+          EpilogueRow(epilogue, Proj::kK, t, h, rows.k, k_row);
+          EpilogueRow(epilogue, Proj::kV, t, h, rows.v, v_row);
         },
         threads);
   } else {
@@ -182,18 +210,21 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
   for (int64_t begin = 0; begin < n; begin += config.projection_chunk) {
     if (Error e = PassGate(gate, "the K/V projection"); !e.ok()) return e;
     const int64_t rows = std::min(config.projection_chunk, n - begin);
-    ParallelFor(threads, rows, [&](int64_t r) {
-      ProjectRow(tensors.x + (begin + r) * hidden, tensors.w_qkv, hidden, hd, 2 * hd, ws + r * 2 * hd);
-    });
+    if (!projected.enabled) {
+      ParallelFor(threads, rows, [&](int64_t r) {
+        ProjectRow(tensors.x + (begin + r) * hidden, tensors.w_qkv, hidden, hd, 2 * hd, ws + r * 2 * hd);
+      });
+    }
     ParallelFor(threads, rows, [&](int64_t r) {
       const int64_t t = begin + r;
       int page, slot;
       map.Locate(t, &page, &slot);
       float k_row[kMaxHeadDimCpu], v_row[kMaxHeadDimCpu];
       for (int h = 0; h < shape.n_heads; ++h) {
-        const uint16_t* row = ws + r * 2 * hd + static_cast<int64_t>(h) * d;
-        EpilogueRow(epilogue, Proj::kK, t, h, row, k_row);
-        EpilogueRow(epilogue, Proj::kV, t, h, row + hd, v_row);
+        const RowPair row = projected.enabled ? GivenRows(tensors, projected, t, h)
+                                              : WorkspaceRows(ws + r * 2 * hd, hd, h, d);
+        EpilogueRow(epilogue, Proj::kK, t, h, row.k, k_row);
+        EpilogueRow(epilogue, Proj::kV, t, h, row.v, v_row);
         PackRow(layout, shape, config.transforms, stats, page, slot, h, k_row, v_row, kv);
       }
     });
@@ -231,11 +262,12 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
     ParallelFor(threads, rows, [&](int64_t r) {
       const int64_t t = begin + r;
       uint16_t* q_row = q_ws + r * hd;
-      ProjectRow(tensors.x + t * hidden, tensors.w_qkv, hidden, 0, hd, q_row);
+      if (!config.projected.enabled) ProjectRow(tensors.x + t * hidden, tensors.w_qkv, hidden, 0, hd, q_row);
       float q[kMaxHeadDimCpu];
       for (int h = 0; h < heads; ++h) {
         uint16_t* head_row = q_row + static_cast<int64_t>(h) * d;
-        EpilogueRow(epilogue, Proj::kQ, t, h, head_row, q);
+        const uint16_t* given = config.projected.enabled ? tensors.q + config.projected.Offset(t, h) : head_row;
+        EpilogueRow(epilogue, Proj::kQ, t, h, given, q);
         ToStoredQ(q, d, kv.lambda + static_cast<int64_t>(h) * d, kv.rotate, kv.seed);
         for (int c = 0; c < d; ++c) head_row[c] = FloatToBf16(q[c]);  // exact: q is bf16-valued
       }

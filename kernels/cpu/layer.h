@@ -13,6 +13,10 @@
 //      attention over the pages with online softmax, page by page (attention.h); acc/ℓ, Rᵀ, ⊙ λ_v,
 //      + μ_v in the epilogue; bf16 out. With in_place, Q of chunk c is projected from x rows of chunk c
 //      before the attention overwrites them (K/V were all projected in step 2).
+// With config.projected (pre-projected Q, K, V in tensors.q/k/v): no GEMM; steps 1–3 read the
+// caller's bf16 rows where they would read the projection workspace, and skip bias, QK-norm and
+// RoPE (rejected by Supported). The rows are then the same values a GEMM would have written, so
+// the result is bit-identical to the x + W path whose projection yields those rows.
 // Query i has the sequence id of the range holding token i and position i (causal: key ≤ query).
 // Results are bit-identical for every chunk size and thread count (each output element depends
 // only on its own inputs, in a fixed arithmetic order).
@@ -27,6 +31,7 @@
 //   projection  bf16 [min(Tp, N), 2·H·d]  K then V columns of one chunk
 //   queries     bf16 [min(Tq, N), H·d]    Q of one chunk in stored form
 // WorkspaceBytes is the largest of the three, and that many bytes are written (tests hold it).
+// With projected input only the queries are held there.
 // Per-thread stack buffers are ~180 KiB at d = 256 (two decoded pages, a tile of queries, its
 // accumulators and outputs): fine for 8 MiB default thread stacks.
 //

@@ -27,24 +27,29 @@ int64_t QueryRows(const LayerConfig& c) { return std::min(c.query_chunk, c.shape
 struct StatsScratch {
   uint64_t index = 0, gathered = 0, projected = 0, floats = 0, end = 0;
 };
+// With pre-projected input the epilogue reads the sampled rows in place: no gathered x, no GEMM output.
 StatsScratch PlanStatsScratch(const LayerConfig& c) {
   const uint64_t s = SampleTokens(c), hd = c.shape.HeadCols();
+  const bool gemm = !c.projected.enabled;
   StatsScratch p;
   p.index = 0;
   p.gathered = AlignUp(p.index + s * sizeof(int64_t));
-  p.projected = AlignUp(p.gathered + s * c.shape.hidden * 2);
-  p.floats = AlignUp(p.projected + s * 2 * hd * 2);
+  p.projected = AlignUp(p.gathered + (gemm ? s * c.shape.hidden * 2 : 0));
+  p.floats = AlignUp(p.projected + (gemm ? s * 2 * hd * 2 : 0));
   p.end = AlignUp(p.floats + s * 2 * hd * sizeof(float));
   return p;
 }
 
 uint64_t MainRegionBytes(const LayerConfig& c) {
   const uint64_t hd = c.shape.HeadCols();
-  const uint64_t projection = AlignUp(ProjectionRows(c) * 2 * hd * 2);
+  const uint64_t projection = c.projected.enabled ? 0 : AlignUp(ProjectionRows(c) * 2 * hd * 2);
   const uint64_t query = AlignUp(QueryRows(c) * hd * 2);
   const uint64_t stats = c.stats ? 0 : PlanStatsScratch(c).end;
   return std::max({projection, query, stats});
 }
+
+// The cuBLASLt workspace sits first; pre-projected input runs no GEMM and has none.
+uint64_t BlasBytes(const LayerConfig& c) { return c.projected.enabled ? 0 : kBlasWorkspaceBytes; }
 
 float* Slot(const CudaContext& ctx, float StageTimes::*member) { return ctx.times ? &(ctx.times->*member) : nullptr; }
 
@@ -113,6 +118,16 @@ RowEpilogueParams BaseRowParams(const LayerConfig& c, const LayerTensors& t) {
 }
 
 Error CheckTensors(const LayerConfig& c, const LayerTensors& t) {
+  if (c.projected.enabled) {
+    for (const uint16_t* given : {t.q, t.k, t.v}) {
+      if (!given) return InvalidArgument("tensors.q / k / v: null with projected input");
+      if (reinterpret_cast<uintptr_t>(given) % 16 != 0) {
+        return InvalidArgument("tensors.q / k / v must be 16-byte aligned (vector loads of a row)");
+      }
+    }
+    if (!t.out) return InvalidArgument("tensors.out is null");
+    return Error::Ok();
+  }
   if (!t.x) return InvalidArgument("tensors.x is null");
   if (!t.w_qkv) return InvalidArgument("tensors.w_qkv is null");
   if (!t.out) return InvalidArgument("tensors.out is null");
@@ -146,15 +161,20 @@ Error ComputeStatsOnDevice(const LayerConfig& c, const LayerTensors& t, const Kv
   uint16_t* projected = reinterpret_cast<uint16_t*>(main + sp.projected);
   float* floats = reinterpret_cast<float*>(main + sp.floats);
   KVPACK_CUDA_RETURN(cudaMemcpyAsync(d_index, index.data(), s * sizeof(int64_t), cudaMemcpyHostToDevice, ctx.stream));
-  KVPACK_RETURN_IF_ERROR(LaunchGatherRows(t.x, c.shape.hidden, d_index, s, gathered, ctx.stream));
-  GemmArgs g;
-  g.a = gathered, g.lda = c.shape.hidden;
-  g.b = t.w_qkv + hd * c.shape.hidden, g.ldb = c.shape.hidden;  // rows [k | v] of W
-  g.c = projected, g.ldc = 2 * hd;
-  g.m = s, g.n = 2 * hd, g.k = c.shape.hidden;
-  KVPACK_RETURN_IF_ERROR(gemm.Run(g, ctx.stream));
   RowEpilogueParams p = BaseRowParams(c, t);
-  p.in = projected, p.in_stride = 2 * hd, p.n_rows = s, p.token_index = d_index;
+  if (c.projected.enabled) {  // the sampled rows are read where the caller keeps them
+    p.given[0] = t.k, p.given[1] = t.v, p.given_layout = c.projected;
+  } else {
+    KVPACK_RETURN_IF_ERROR(LaunchGatherRows(t.x, c.shape.hidden, d_index, s, gathered, ctx.stream));
+    GemmArgs g;
+    g.a = gathered, g.lda = c.shape.hidden;
+    g.b = t.w_qkv + hd * c.shape.hidden, g.ldb = c.shape.hidden;  // rows [k | v] of W
+    g.c = projected, g.ldc = 2 * hd;
+    g.m = s, g.n = 2 * hd, g.k = c.shape.hidden;
+    KVPACK_RETURN_IF_ERROR(gemm.Run(g, ctx.stream));
+    p.in = projected, p.in_stride = 2 * hd;
+  }
+  p.n_rows = s, p.token_index = d_index;
   p.out_float = floats;
   KVPACK_RETURN_IF_ERROR(LaunchRowEpilogue(RowMode::kStats, p, ctx.stream));
   KvStatsOut out;
@@ -173,7 +193,11 @@ Error Supported(const LayerConfig& c) {
   KVPACK_RETURN_IF_ERROR(ValidateRanges(c.shape.n_tokens, c.ranges));
   KVPACK_RETURN_IF_ERROR(ValidateRope(c.rope, c.shape.head_dim));
   KVPACK_RETURN_IF_ERROR(ValidateQkNorm(c.qk_norm, c.shape));
-  if (c.shape.hidden % 8 != 0) {
+  KVPACK_RETURN_IF_ERROR(ValidateProjected(c));
+  if (c.projected.enabled && (c.projected.token_stride % 8 != 0 || c.projected.batch_stride % 8 != 0)) {
+    return InvalidArgument("projected: token and batch strides must be multiples of 8 elements on the GPU (16-byte rows)");
+  }
+  if (!c.projected.enabled && c.shape.hidden % 8 != 0) {
     return Unsupported("hidden = " + std::to_string(c.shape.hidden) + " must be a multiple of 8 on the GPU");
   }
   if (c.projection_chunk <= 0) return InvalidArgument("projection_chunk must be positive");
@@ -197,7 +221,7 @@ Error Supported(const LayerConfig& c) {
 
 uint64_t KvBytes(const LayerConfig& c) { return KvLayoutBytes(c.shape, c.ranges); }
 
-uint64_t WorkspaceBytes(const LayerConfig& c) { return kBlasWorkspaceBytes + MainRegionBytes(c); }
+uint64_t WorkspaceBytes(const LayerConfig& c) { return BlasBytes(c) + MainRegionBytes(c); }
 
 Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* workspace,
                 const CudaContext& ctx, const ChunkGate& gate) {
@@ -207,7 +231,7 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
   if (!kv || !workspace) return InvalidArgument("kv and workspace must be device buffers");
   const KvLayout layout = PlanKvLayout(c.shape, c.ranges);
   const int64_t n = c.shape.n_tokens, hd = c.shape.HeadCols(), hidden = c.shape.hidden;
-  uint8_t* main = workspace + kBlasWorkspaceBytes;
+  uint8_t* main = workspace + BlasBytes(c);
   BlasGemm gemm(ctx.blas, workspace);
   StageClock clock(ctx);
 
@@ -237,6 +261,7 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
   uint16_t* projected = reinterpret_cast<uint16_t*>(main);
   RowEpilogueParams p = BaseRowParams(c, t);
   p.in = projected, p.in_stride = 2 * hd;
+  if (c.projected.enabled) p.given[0] = t.k, p.given[1] = t.v, p.given_layout = c.projected;
   p.mu_k = view.mu_k, p.mu_v = view.mu_v, p.lambda = view.lambda, p.lambda_v = view.lambda_v;
   p.kv_block = kv, p.pages = view.pages, p.n_pages = view.n_pages;
   p.k_offsets = view.k_offsets, p.v_offsets = view.v_offsets;
@@ -244,12 +269,14 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
   for (int64_t t0 = 0; t0 < n; t0 += tp) {
     KVPACK_RETURN_IF_ERROR(PassGate(gate));
     const int64_t rows = std::min(tp, n - t0);
-    GemmArgs g;
-    g.a = t.x + t0 * hidden, g.lda = hidden;
-    g.b = t.w_qkv + hd * hidden, g.ldb = hidden;
-    g.c = projected, g.ldc = 2 * hd;
-    g.m = rows, g.n = 2 * hd, g.k = hidden;
-    KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::kv_gemm_ms, [&] { return gemm.Run(g, ctx.stream); }));
+    if (!c.projected.enabled) {
+      GemmArgs g;
+      g.a = t.x + t0 * hidden, g.lda = hidden;
+      g.b = t.w_qkv + hd * hidden, g.ldb = hidden;
+      g.c = projected, g.ldc = 2 * hd;
+      g.m = rows, g.n = 2 * hd, g.k = hidden;
+      KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::kv_gemm_ms, [&] { return gemm.Run(g, ctx.stream); }));
+    }
     p.n_rows = rows, p.token_begin = t0;
     KVPACK_RETURN_IF_ERROR(
         clock.Time(&StageTimes::kv_epilogue_ms, [&] { return LaunchRowEpilogue(RowMode::kPackKv, p, ctx.stream); }));
@@ -266,13 +293,14 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
     return InvalidArgument("kv: the entry's shape (heads, head_dim, tokens) differs from the layer's");
   }
   const int64_t n = c.shape.n_tokens, hd = c.shape.HeadCols(), hidden = c.shape.hidden;
-  uint8_t* main = workspace + kBlasWorkspaceBytes;
+  uint8_t* main = workspace + BlasBytes(c);
   BlasGemm gemm(ctx.blas, workspace);
   StageClock clock(ctx);
 
   uint16_t* q = reinterpret_cast<uint16_t*>(main);  // [Tq, H·d] bf16
   RowEpilogueParams p = BaseRowParams(c, t);
   p.in = q, p.in_stride = hd, p.out_bf16 = q, p.out_stride = hd;
+  if (c.projected.enabled) p.given[0] = t.q, p.given_layout = c.projected;  // read there, stored form into q
   p.lambda = kv.lambda, p.rotate = kv.rotate, p.seed = kv.seed;
   AttentionParams a;
   a.q = q, a.q_stride = hd;
@@ -288,12 +316,14 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
   for (int64_t q0 = 0; q0 < n; q0 += tq) {
     KVPACK_RETURN_IF_ERROR(PassGate(gate));
     const int64_t rows = std::min(tq, n - q0);
-    GemmArgs g;
-    g.a = t.x + q0 * hidden, g.lda = hidden;
-    g.b = t.w_qkv, g.ldb = hidden;  // rows [q] of W
-    g.c = q, g.ldc = hd;
-    g.m = rows, g.n = hd, g.k = hidden;
-    KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::q_gemm_ms, [&] { return gemm.Run(g, ctx.stream); }));
+    if (!c.projected.enabled) {
+      GemmArgs g;
+      g.a = t.x + q0 * hidden, g.lda = hidden;
+      g.b = t.w_qkv, g.ldb = hidden;  // rows [q] of W
+      g.c = q, g.ldc = hd;
+      g.m = rows, g.n = hd, g.k = hidden;
+      KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::q_gemm_ms, [&] { return gemm.Run(g, ctx.stream); }));
+    }
     p.n_rows = rows, p.token_begin = q0;
     KVPACK_RETURN_IF_ERROR(
         clock.Time(&StageTimes::q_epilogue_ms, [&] { return LaunchRowEpilogue(RowMode::kQuery, p, ctx.stream); }));

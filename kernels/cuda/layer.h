@@ -11,6 +11,9 @@
 //      epilogue (bias, QK-norm, RoPE, ×λ, R) in place, attention over the pages (attention.h), whose
 //      epilogue applies Rᵀ, ×λ_v and +μ_v and writes bf16 rows of tensors.out (which may be tensors.x).
 // The full BF16 Q, K or V tensor never exists; nothing of size N×N is allocated.
+// With config.projected the GEMMs (and the pre-pass gather) do not run: the epilogues read the
+// caller's q, k, v rows in place (RowEpilogueParams::given), and the workspace holds no cuBLASLt
+// scratch and no projection rows — only the stored-form Q chunk and the pre-pass floats.
 //
 // Memory: the caller passes the K/V block (KvBytes) and the scratch (WorkspaceBytes), both device
 // memory; these functions allocate nothing on the device. Errors: kvpack::Error; a failing CUDA or

@@ -115,7 +115,17 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const R
   const int64_t head_cols = static_cast<int64_t>(p.n_heads) * kDim;
   const int64_t token = p.token_index ? p.token_index[row] : p.token_begin + row;
   const int chan = lane * kPerLane;  // first channel of this lane
-  const uint16_t* in_row = p.in + row * p.in_stride + chan;
+  // Row j of the token (j = block·H + head): in the GEMM output, or in the caller's tensors.
+  const bool given = p.given[0] != nullptr;
+  const uint16_t* in_row = given ? nullptr : p.in + row * p.in_stride + chan;
+  const ProjectedLayout& gl = p.given_layout;
+  const int64_t given_token = given ? token / gl.batch_tokens * gl.batch_stride + token % gl.batch_tokens * gl.token_stride
+                                    : 0;
+  const auto row_ptr = [&](int j) -> const uint16_t* {
+    if (!given) return in_row + j * kDim;
+    const int block = j / p.n_heads, head = j % p.n_heads;
+    return p.given[block] + given_token + head * gl.head_stride + chan;
+  };
   float sign[kPerLane];
   LaneSigns(sign, lane, p.seed);
   int page_index = 0, slot = 0;
@@ -128,12 +138,12 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const R
   }
 
   float next[kPerLane];
-  if (sub < n_rows_of_token) LoadBf16(in_row + sub * kDim, next);
+  if (sub < n_rows_of_token) LoadBf16(row_ptr(sub), next);
   for (int j = sub; j < n_rows_of_token; j += kWarpsPerToken) {
     float x[kPerLane];
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) x[i] = next[i];
-    if (j + kWarpsPerToken < n_rows_of_token) LoadBf16(in_row + (j + kWarpsPerToken) * kDim, next);
+    if (j + kWarpsPerToken < n_rows_of_token) LoadBf16(row_ptr(j + kWarpsPerToken), next);
     const int which = j / p.n_heads, head = j % p.n_heads;  // columns j·d … of the input row
     const int kind = kMode == RowMode::kQuery ? 0 : 1 + which;  // 0 q, 1 k, 2 v: W / bias block
     const int hc = head * kDim + chan;                          // column inside one q / k / v block

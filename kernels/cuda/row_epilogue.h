@@ -5,6 +5,9 @@
 //   kStats   bf16 [S, 2·H·d] (K | V)  → bias, QK-norm, RoPE (K)                 → float [S, 2·H·d]
 //   kQuery   bf16 [T, H·d]     (Q)    → bias, QK-norm, RoPE, ×λ, R              → bf16, in place
 //
+// Each mode may instead read the caller's pre-projected rows (RowEpilogueParams::given): the same
+// arithmetic from the same bf16 values, with no GEMM before it and no copy.
+//
 // plus the statistics reduction (μ_k, μ_v, λ, λ_v per (head, channel)) and the sample gather of the
 // pre-pass. Every step runs in fp32 in the order of format.h; the rotation uses the same butterfly
 // order as rotation.h, so codes match the CPU reference wherever the fp32 inputs match.
@@ -28,6 +31,11 @@ struct RowEpilogueParams {
   // Input: GEMM output rows, bf16.
   const uint16_t* in = nullptr;
   int64_t in_stride = 0;           // elements between rows
+  // Or, when given[0] is set, the caller's pre-projected rows (LayerConfig::projected): block b
+  // (0: K, or Q in kQuery; 1: V) of (token, head) at given[b] + given_layout.Offset(token, head),
+  // read where the GEMM output would be. `in` is then unused.
+  const uint16_t* given[2] = {nullptr, nullptr};
+  ProjectedLayout given_layout;
   int64_t n_rows = 0;              // tokens in this launch
   int64_t token_begin = 0;         // global token index of row 0 (ignored when token_index is set)
   const int64_t* token_index = nullptr;  // [n_rows] global token of each row (pre-pass sample) or null

@@ -9,7 +9,13 @@ namespace kvpack::server {
 
 uint64_t HostStagingBytes(const LayerConfig& config, const TensorResidency& resident) {
   const LayerShape& s = config.shape;
-  uint64_t bytes = resident.x ? 0 : PoolBytes(2ull * s.n_tokens * s.hidden);
+  uint64_t bytes = 0;
+  if (config.projected.enabled) {
+    const uint64_t span = 2ull * static_cast<uint64_t>(config.projected.SpanElements(s));
+    for (bool resident_input : {resident.q, resident.k, resident.v}) bytes += resident_input ? 0 : PoolBytes(span);
+  } else if (!resident.x) {
+    bytes += PoolBytes(2ull * s.n_tokens * s.hidden);
+  }
   if (config.rope.layout != RopeLayout::kNone && !resident.positions) {
     bytes += PoolBytes(4ull * s.n_tokens * config.rope.n_axes);
   }

@@ -33,6 +33,13 @@ struct DeviceMemory {
   uint64_t total_bytes = 0;
 };
 
+// Which GPU a backend serves (Status): ordinal -1 and empty strings on the CPU backend.
+struct DeviceIdentity {
+  int ordinal = -1;
+  std::string uuid;        // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+  std::string pci_bus_id;  // "0000:3b:00.0"
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -67,6 +74,7 @@ class Backend {
   virtual absl::Status CopyToPool(void* pool_dst, const void* host_src, uint64_t bytes) = 0;
   virtual absl::Status CopyFromPool(void* host_dst, const void* pool_src, uint64_t bytes) = 0;
   virtual DeviceMemory QueryDeviceMemory() const { return {}; }
+  virtual DeviceIdentity Identity() const { return {}; }
   // Whether tensors in host memory (inline uploads, shm regions) can be passed straight to Run.
   virtual bool ReadsHostMemory() const = 0;
 
@@ -90,8 +98,9 @@ class Backend {
 };
 
 // Pool bytes a backend that cannot read host memory needs to stage a layer's host-resident tensors
-// (x [N, D] bf16, RoPE positions [N, axes] f32, the output [N, H·d] bf16 unless in place), each
-// rounded to the pool granule; tensors in `resident` (CUDA IPC regions) need none. The engine stages
+// (x [N, D] bf16 — or with projected input q, k and v, each its span of
+// ProjectedLayout::SpanElements bf16 — RoPE positions [N, axes] f32, the output [N, H·d] bf16 unless
+// in place), each rounded to the pool granule; tensors in `resident` (CUDA IPC regions) need none. The engine stages
 // them in this order (Engine::StageOnDevice).
 uint64_t HostStagingBytes(const LayerConfig& config, const TensorResidency& resident);
 

@@ -5,7 +5,9 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -118,15 +120,25 @@ class CudaBackend final : public Backend {
     cudaIpcMemHandle_t h;
     if (handle.size() != sizeof(h)) return absl::InvalidArgumentError("cuda_ipc_handle: not a cudaIpcMemHandle_t");
     std::memcpy(&h, handle.data(), sizeof(h));
-    void* base = nullptr;
-    if (cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
-      cudaGetLastError();  // not sticky: a bad handle is the caller's error
-      return absl::InvalidArgumentError(std::string("cuda_ipc_handle: cudaIpcOpenMemHandle: ") + cudaGetErrorString(e));
-    }
     (void)size;  // the exporter's allocation size is not queryable; the service bounds-checks against `size`
+    // One allocation is opened once: PyTorch's caching allocator puts several tensors (q, k, v,
+    // the output) in one cudaMalloc segment, so several regions share a handle, and a second
+    // cudaIpcOpenMemHandle of it in this process would fail. Regions hold a count on the mapping.
+    std::lock_guard<std::mutex> lock(ipc_mu_);
+    IpcOpen& open = ipc_open_[handle];
+    if (open.refs == 0) {
+      void* base = nullptr;
+      if (cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
+        cudaGetLastError();  // not sticky: a bad handle is the caller's error
+        ipc_open_.erase(handle);
+        return absl::InvalidArgumentError(std::string("cuda_ipc_handle: cudaIpcOpenMemHandle: ") + cudaGetErrorString(e));
+      }
+      open.base = static_cast<uint8_t*>(base);
+    }
+    ++open.refs;
     IpcMapping mapping;
-    mapping.base = static_cast<uint8_t*>(base);
-    mapping.close = [](uint8_t* ptr, uint64_t) { cudaIpcCloseMemHandle(ptr); };
+    mapping.base = open.base;
+    mapping.close = [this, handle](uint8_t*, uint64_t) { CloseIpc(handle); };
     return mapping;
   }
 
@@ -184,6 +196,24 @@ class CudaBackend final : public Backend {
     return m;
   }
 
+  DeviceIdentity Identity() const override {
+    std::call_once(identity_once_, [this] {
+      identity_.ordinal = options_.device;
+      cudaDeviceProp prop{};
+      if (cudaGetDeviceProperties(&prop, options_.device) == cudaSuccess) {
+        const auto* u = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
+        char text[64];
+        std::snprintf(text, sizeof(text), "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+                      u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+        identity_.uuid = text;
+      }
+      char bus[32] = {};
+      if (cudaDeviceGetPCIBusId(bus, sizeof(bus), options_.device) == cudaSuccess) identity_.pci_bus_id = bus;
+      cudaGetLastError();
+    });
+    return identity_;
+  }
+
   bool ReadsHostMemory() const override { return false; }
   bool Healthy() const override { return healthy_.load(); }
 
@@ -223,8 +253,24 @@ class CudaBackend final : public Backend {
     return status;
   }
 
+  struct IpcOpen {
+    uint8_t* base = nullptr;
+    int refs = 0;
+  };
+  void CloseIpc(const std::string& handle) {
+    std::lock_guard<std::mutex> lock(ipc_mu_);
+    auto it = ipc_open_.find(handle);
+    if (it == ipc_open_.end() || --it->second.refs > 0) return;
+    cudaIpcCloseMemHandle(it->second.base);
+    ipc_open_.erase(it);
+  }
+
   const CudaBackendOptions options_;
   StreamPool streams_;
+  mutable std::once_flag identity_once_;
+  mutable DeviceIdentity identity_;
+  std::mutex ipc_mu_;
+  std::map<std::string, IpcOpen> ipc_open_;  // by the 64 handle bytes
   cublasLtHandle_t blas_;
   std::atomic<bool> healthy_{true};
 };

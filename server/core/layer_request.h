@@ -22,6 +22,9 @@ struct TensorResidency {
   bool x = false;
   bool positions = false;
   bool out = false;
+  bool q = false;  // pre-projected input (LayerRequest::projected)
+  bool k = false;
+  bool v = false;
 };
 
 struct LayerRequest {
@@ -33,6 +36,9 @@ struct LayerRequest {
   AttentionOptions attention;
   bool has_bias = false;
   bool in_place = false;
+  // Pre-projected Q/K/V instead of x and weights (kernels/layer_spec.h); shape.hidden is then
+  // n_heads·head_dim.
+  ProjectedLayout projected;
   TensorResidency resident;
   int64_t max_chunk = 0;  // cap on Tp and Tq (tokens); 0: none. Smaller chunks cancel sooner.
 };

@@ -25,6 +25,7 @@ LayerConfig MakeLayerConfig(const LayerRequest& request, const std::vector<PageF
   config.attention = request.attention;
   config.has_bias = request.has_bias;
   config.in_place = request.in_place;
+  config.projected = request.projected;
   config.projection_chunk = projection_chunk;
   config.query_chunk = query_chunk;
   return config;
@@ -50,6 +51,16 @@ absl::Status ValidateLayerRequest(const LayerRequest& request) {
   if (absl::Status s = ToStatus(ValidateRanges(request.shape.n_tokens, first)); !s.ok()) return s;
   if (absl::Status s = ToStatus(ValidateRope(request.rope, request.shape.head_dim)); !s.ok()) return s;
   if (absl::Status s = ToStatus(ValidateQkNorm(request.qk_norm, request.shape)); !s.ok()) return s;
+  if (request.projected.enabled) {
+    LayerConfig config;
+    config.shape = request.shape;
+    config.rope = request.rope;
+    config.qk_norm = request.qk_norm;
+    config.has_bias = request.has_bias;
+    config.in_place = request.in_place;
+    config.projected = request.projected;
+    if (absl::Status s = ToStatus(ValidateProjected(config)); !s.ok()) return s;
+  }
   if (request.in_place && request.shape.hidden != request.shape.HeadCols()) {
     return absl::InvalidArgumentError(absl::StrCat("output.mode: in place needs hidden (", request.shape.hidden,
                                                    ") == n_heads * head_dim (", request.shape.HeadCols(), ")"));

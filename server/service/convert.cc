@@ -1,5 +1,6 @@
 #include "server/service/convert.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -96,7 +97,75 @@ absl::StatusOr<LayerRequest> LayerRequestFromProto(const v1::LayerHeader& header
   }
   r.has_bias = has_bias;
   r.in_place = header.output().mode() == v1::OUTPUT_IN_PLACE;
+  if (header.input_case() == v1::LayerHeader::kProjected) {
+    if (absl::Status s = ProjectedFromProto(header, &r); !s.ok()) return s;
+  }
   return r;
+}
+
+absl::Status ProjectedFromProto(const v1::LayerHeader& header, LayerRequest* r) {
+  const v1::ProjectedQkv& p = header.projected();
+  const int64_t hd = r->shape.HeadCols();
+  if (!header.weights_handle().empty()) {
+    return absl::InvalidArgumentError("header.weights_handle: must be empty with header.projected (no projection runs)");
+  }
+  if (r->shape.hidden != 0 && r->shape.hidden != hd) {
+    return absl::InvalidArgumentError(absl::StrCat("header.shape.hidden = ", r->shape.hidden,
+                                                   ": with header.projected it must be 0 or n_heads * head_dim = ", hd));
+  }
+  if (r->rope.layout != RopeLayout::kNone) {
+    return absl::InvalidArgumentError("header.options.rope: must be unset with header.projected (apply RoPE to q and k before sending them)");
+  }
+  if (r->qk_norm.enabled) {
+    return absl::InvalidArgumentError("header.options.qk_norm.enabled: must be false with header.projected (normalise q and k before sending them)");
+  }
+  if (r->in_place) {
+    return absl::InvalidArgumentError("header.output.mode: OUTPUT_IN_PLACE needs x; with header.projected use OUTPUT_INLINE or OUTPUT_REGION");
+  }
+  r->shape.hidden = static_cast<int>(hd);
+  r->has_bias = false;
+  r->qk_norm.weight_len = 0;
+  ProjectedLayout& layout = r->projected;
+  layout.enabled = true;
+  const int64_t n = r->shape.n_tokens, d = r->shape.head_dim;
+  switch (p.layout()) {
+    case v1::ProjectedQkv::LAYOUT_TOKEN_MAJOR: {
+      const int64_t stride = p.row_stride() == 0 ? hd : p.row_stride();
+      if (stride < hd) {
+        return absl::InvalidArgumentError(absl::StrCat("header.projected.row_stride = ", p.row_stride(),
+                                                       " is below n_heads * head_dim = ", hd));
+      }
+      if (p.batch() != 0 && p.batch() != 1) {
+        return absl::InvalidArgumentError(absl::StrCat("header.projected.batch = ", p.batch(),
+                                                       ": token-major rows need no batch (set 0)"));
+      }
+      layout.token_stride = stride;
+      layout.head_stride = d;
+      layout.batch_tokens = std::max<int64_t>(n, 1);
+      layout.batch_stride = 0;
+      return absl::OkStatus();
+    }
+    case v1::ProjectedQkv::LAYOUT_HEAD_MAJOR: {
+      const int64_t batch = p.batch() == 0 ? 1 : p.batch();
+      if (batch < 1 || n % batch != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("header.projected.batch = ", p.batch(),
+                                                       " must be positive and divide n_tokens = ", n));
+      }
+      if (p.row_stride() != 0 && p.row_stride() != d) {
+        return absl::InvalidArgumentError(absl::StrCat("header.projected.row_stride = ", p.row_stride(),
+                                                       ": head-major rows are contiguous (set 0)"));
+      }
+      const int64_t m = n / batch;
+      layout.token_stride = d;
+      layout.head_stride = m * d;
+      layout.batch_tokens = std::max<int64_t>(m, 1);
+      layout.batch_stride = static_cast<int64_t>(r->shape.n_heads) * m * d;
+      return absl::OkStatus();
+    }
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("header.projected.layout = ", p.layout(),
+                                                     ": expected LAYOUT_TOKEN_MAJOR or LAYOUT_HEAD_MAJOR"));
+  }
 }
 
 void PlanToProto(const LayerPlan& plan, v1::PlanResult* out) {

@@ -20,6 +20,11 @@ v1::Format ToProto(PageFormat format);
 absl::StatusOr<LayerRequest> LayerRequestFromProto(const v1::LayerHeader& header, bool has_bias,
                                                    int qk_norm_weight_len);
 
+// The pre-projected input of `header` (header.projected) into r->projected, with the rules of the
+// proto: no weights handle, hidden 0 or H·d (set to H·d), no RoPE, no QK-norm, not in place.
+// REQUIRES: r->shape, rope, qk_norm and in_place already converted.
+absl::Status ProjectedFromProto(const v1::LayerHeader& header, LayerRequest* r);
+
 void PlanToProto(const LayerPlan& plan, v1::PlanResult* out);
 
 }  // namespace kvpack::server

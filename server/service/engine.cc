@@ -229,16 +229,21 @@ void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reserva
 absl::Status Engine::StageOnDevice(LayerJob& job, Pool::Reservation& reservation, LayerTensors* tensors,
                                    Pool::Lease* io, uint16_t** host_out) {
   const LayerConfig& config = job.plan.config;
-  const uint64_t x_bytes = 2ull * config.shape.n_tokens * config.shape.hidden;
+  const bool projected = config.projected.enabled;
+  const uint64_t x_bytes = projected ? 0 : 2ull * config.shape.n_tokens * config.shape.hidden;
+  const uint64_t qkv_bytes = projected ? 2ull * static_cast<uint64_t>(config.projected.SpanElements(config.shape)) : 0;
+  const uint16_t** qkv[3] = {&tensors->q, &tensors->k, &tensors->v};
+  const bool stage_qkv[3] = {projected && !job.resident.q, projected && !job.resident.k, projected && !job.resident.v};
   const uint64_t positions_bytes =
       tensors->positions != nullptr ? 4ull * config.shape.n_tokens * config.rope.n_axes : 0;
   const uint64_t out_bytes = 2ull * config.shape.n_tokens * config.shape.HeadCols();
   const bool writes_out = job.mode != LayerMode::kProject;
-  const bool stage_x = !job.resident.x;
+  const bool stage_x = !projected && !job.resident.x;
   const bool stage_positions = positions_bytes > 0 && !job.resident.positions;
   const bool stage_out = writes_out && !config.in_place && !job.resident.out;
-  const uint64_t bytes = (stage_x ? PoolBytes(x_bytes) : 0) + (stage_positions ? PoolBytes(positions_bytes) : 0) +
-                         (stage_out ? PoolBytes(out_bytes) : 0);
+  uint64_t bytes = (stage_x ? PoolBytes(x_bytes) : 0) + (stage_positions ? PoolBytes(positions_bytes) : 0) +
+                   (stage_out ? PoolBytes(out_bytes) : 0);
+  for (bool stage : stage_qkv) bytes += stage ? PoolBytes(qkv_bytes) : 0;
   if (bytes == 0) return absl::OkStatus();
   absl::StatusOr<Pool::Lease> lease = pool_->Allocate({bytes, PoolState::kWorkspace, job.tenant, {}}, &reservation);
   if (!lease.ok()) return lease.status();
@@ -252,6 +257,12 @@ absl::Status Engine::StageOnDevice(LayerJob& job, Pool::Reservation& reservation
     }
     tensors->x = reinterpret_cast<const uint16_t*>(at);
     at += PoolBytes(x_bytes);
+  }
+  for (int i = 0; i < 3; ++i) {  // q, k, v: whole spans, so the strides stay as the caller gave them
+    if (!stage_qkv[i]) continue;
+    if (absl::Status s = backend_->CopyToPool(at, *qkv[i], qkv_bytes); !s.ok()) return s;
+    *qkv[i] = reinterpret_cast<const uint16_t*>(at);
+    at += PoolBytes(qkv_bytes);
   }
   if (stage_positions) {
     if (absl::Status s = backend_->CopyToPool(at, tensors->positions, positions_bytes); !s.ok()) return s;
@@ -289,14 +300,16 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   const ChunkGate gate = GateOf(job);
   const LayerConfig& config = job.plan.config;
 
-  // Weights live in the pool.
+  // Weights live in the pool (none with pre-projected input).
   LayerTensors tensors = job.tensors;
-  const WeightsEntry& w = *job.weights;
-  const uint8_t* wbase = w.lease.data();
-  tensors.w_qkv = reinterpret_cast<const uint16_t*>(wbase);
-  tensors.bias = w.has_bias ? reinterpret_cast<const float*>(wbase + w.bias_offset()) : nullptr;
-  tensors.q_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.q_norm_offset()) : nullptr;
-  tensors.k_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.k_norm_offset()) : nullptr;
+  if (job.weights != nullptr) {
+    const WeightsEntry& w = *job.weights;
+    const uint8_t* wbase = w.lease.data();
+    tensors.w_qkv = reinterpret_cast<const uint16_t*>(wbase);
+    tensors.bias = w.has_bias ? reinterpret_cast<const float*>(wbase + w.bias_offset()) : nullptr;
+    tensors.q_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.q_norm_offset()) : nullptr;
+    tensors.k_norm_weight = w.norm_len > 0 ? reinterpret_cast<const float*>(wbase + w.k_norm_offset()) : nullptr;
+  }
   Pool::Lease io_lease;
   uint16_t* host_out = nullptr;  // where a staged output goes back to
   if (!backend_->ReadsHostMemory()) {
@@ -363,7 +376,7 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     auto entry = std::make_shared<KvEntry>();
     entry->id = Registry::NewId("kv-");
     entry->tenant = job.tenant;
-    entry->weights_id = job.weights->id;
+    entry->weights_id = job.weights != nullptr ? job.weights->id : "";  // "": from pre-projected input
     entry->config = config;
     entry->lease = std::move(kv_lease);
     job.kv_handle = entry->id;

@@ -53,10 +53,10 @@ struct LayerJob {
   absl::Time deadline = absl::InfiniteFuture();
   absl::Time submitted;
   LayerPlan plan;
-  std::shared_ptr<WeightsEntry> weights;
+  std::shared_ptr<WeightsEntry> weights;  // null with pre-projected input
   std::shared_ptr<KvEntry> kv_in;     // kAttend
   bool keep_kv = false;
-  LayerTensors tensors;               // x, positions, out set by the service
+  LayerTensors tensors;               // x (or q, k, v), positions, out set by the service
   // Which of them already sit in device memory (CUDA IPC regions); the others are host memory
   // (inline buffers, shared-memory regions) and are staged through the pool on a GPU backend.
   TensorResidency resident;
@@ -64,6 +64,7 @@ struct LayerJob {
   std::vector<RegionUse> regions;     // keeps mapped regions alive for the job
   std::unique_ptr<uint8_t[]> x_buf;   // inline inputs and output (host)
   std::unique_ptr<uint8_t[]> positions_buf;
+  std::unique_ptr<uint8_t[]> qkv_buf[3];  // inline pre-projected q, k, v
   std::unique_ptr<uint8_t[]> out_buf;
   std::atomic<bool> cancelled{false};
   std::atomic<uint64_t> ticket{0};    // scheduler id while waiting

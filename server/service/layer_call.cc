@@ -8,6 +8,7 @@
 // outlives it because Finish waits for the job (the job's done callback is what finishes a call
 // that reached the Engine).
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -41,6 +42,7 @@ struct Input {
   bool is_inline = false;
   uint8_t* data = nullptr;  // inline buffer or region slice
   uint64_t received = 0;    // inline bytes so far
+  uint64_t align = 4;       // required alignment of a region slice
 };
 
 class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse> {
@@ -107,30 +109,43 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       job->deadline = absl::FromChrono(context_->deadline());
     }
 
-    absl::StatusOr<std::shared_ptr<WeightsEntry>> weights =
-        engine.registry().GetWeights(tenant_, header.weights_handle(), "header.weights_handle");
-    if (!weights.ok()) return weights.status();
-    job->weights = *weights;
-    const WeightsEntry& w = **weights;
-
-    absl::StatusOr<LayerRequest> request = LayerRequestFromProto(header, w.has_bias, w.norm_len);
-    if (!request.ok()) return request.status();
-    if (absl::Status s = CheckLimits(request->shape, service_->limits()); !s.ok()) return s;
+    // Pre-projected q, k, v take the place of x and the weights (AttentionLayer only).
+    projected_ = header.input_case() == v1::LayerHeader::kProjected;
+    if (projected_ && mode_ != LayerMode::kFull) {
+      return absl::InvalidArgumentError(absl::StrCat("header.projected: only AttentionLayer takes projected q, k, v; ",
+                                                     method_, " needs x and a weights handle"));
+    }
+    absl::StatusOr<LayerRequest> request;
+    if (projected_) {
+      request = LayerRequestFromProto(header, /*has_bias=*/false, /*qk_norm_weight_len=*/0);
+      if (!request.ok()) return request.status();
+      if (absl::Status s = CheckLimits(request->shape, service_->limits()); !s.ok()) return s;
+    } else {
+      absl::StatusOr<std::shared_ptr<WeightsEntry>> weights =
+          engine.registry().GetWeights(tenant_, header.weights_handle(), "header.weights_handle");
+      if (!weights.ok()) return weights.status();
+      job->weights = *weights;
+      const WeightsEntry& w = **weights;
+      request = LayerRequestFromProto(header, w.has_bias, w.norm_len);
+      if (!request.ok()) return request.status();
+      if (absl::Status s = CheckLimits(request->shape, service_->limits()); !s.ok()) return s;
+      const LayerShape& shape = request->shape;
+      if (shape.hidden != w.hidden || shape.n_heads != w.n_heads || shape.head_dim != w.head_dim) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "header.shape (hidden ", shape.hidden, ", n_heads ", shape.n_heads, ", head_dim ", shape.head_dim,
+            ") does not match the weights (hidden ", w.hidden, ", n_heads ", w.n_heads, ", head_dim ", w.head_dim, ")"));
+      }
+      if (request->qk_norm.enabled && w.norm_len == 0) {
+        return absl::InvalidArgumentError("header.options.qk_norm.enabled: the weights have no q/k norm weights");
+      }
+    }
     const LayerShape& shape = request->shape;
-    if (shape.hidden != w.hidden || shape.n_heads != w.n_heads || shape.head_dim != w.head_dim) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "header.shape (hidden ", shape.hidden, ", n_heads ", shape.n_heads, ", head_dim ", shape.head_dim,
-          ") does not match the weights (hidden ", w.hidden, ", n_heads ", w.n_heads, ", head_dim ", w.head_dim, ")"));
-    }
-    if (request->qk_norm.enabled && w.norm_len == 0) {
-      return absl::InvalidArgumentError("header.options.qk_norm.enabled: the weights have no q/k norm weights");
-    }
 
     if (mode_ == LayerMode::kAttend) {
       absl::StatusOr<std::shared_ptr<KvEntry>> kv = engine.registry().GetKv(tenant_, header.kv_handle(), "header.kv_handle");
       if (!kv.ok()) return kv.status();
       job->kv_in = *kv;
-      if (absl::Status s = MatchKv(**kv, *request, w); !s.ok()) return s;
+      if (absl::Status s = MatchKv(**kv, *request, *job->weights); !s.ok()) return s;
       // The entry's transforms are the ones its pages were written with.
       request->transforms = (*kv)->config.transforms;
       request->rope = (*kv)->config.rope;
@@ -143,6 +158,11 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     const v1::OutputSpec& output = header.output();
     request->resident.x = InDeviceRegion(header.x());
     request->resident.positions = InDeviceRegion(header.positions());
+    if (projected_) {
+      request->resident.q = InDeviceRegion(header.projected().q());
+      request->resident.k = InDeviceRegion(header.projected().k());
+      request->resident.v = InDeviceRegion(header.projected().v());
+    }
     request->resident.out = mode_ == LayerMode::kProject ||
                             (output.mode() == v1::OUTPUT_REGION && InDeviceRegion(output.region().region_id())) ||
                             (output.mode() == v1::OUTPUT_IN_PLACE && request->resident.x);
@@ -156,9 +176,22 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     job->plan = std::move(*plan);
 
     // Inputs.
-    x_.field = "header.x";
-    x_.size = static_cast<uint64_t>(shape.n_tokens) * shape.hidden * 2;
-    if (absl::Status s = Bind(header.x(), &x_, job.get(), /*required=*/true); !s.ok()) return s;
+    if (projected_) {
+      const uint64_t span = 2ull * static_cast<uint64_t>(request->projected.SpanElements(shape));
+      const v1::ProjectedQkv& p = header.projected();
+      const v1::TensorRef* refs[3] = {&p.q(), &p.k(), &p.v()};
+      const char* fields[3] = {"header.projected.q", "header.projected.k", "header.projected.v"};
+      for (int i = 0; i < 3; ++i) {
+        qkv_[i].field = fields[i];
+        qkv_[i].size = span;
+        qkv_[i].align = 16;  // the GPU epilogue loads a lane's channels as one 8-byte word
+        if (absl::Status s = Bind(*refs[i], &qkv_[i], job.get(), /*required=*/true); !s.ok()) return s;
+      }
+    } else {
+      x_.field = "header.x";
+      x_.size = static_cast<uint64_t>(shape.n_tokens) * shape.hidden * 2;
+      if (absl::Status s = Bind(header.x(), &x_, job.get(), /*required=*/true); !s.ok()) return s;
+    }
     const bool rope = request->rope.layout != RopeLayout::kNone;
     positions_.field = "header.positions";
     positions_.size = rope ? static_cast<uint64_t>(shape.n_tokens) * request->rope.n_axes * 4 : 0;
@@ -168,7 +201,8 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     if (rope) {
       if (absl::Status s = Bind(header.positions(), &positions_, job.get(), /*required=*/true); !s.ok()) return s;
     }
-    const uint64_t inline_total = (x_.is_inline ? x_.size : 0) + (positions_.is_inline ? positions_.size : 0);
+    uint64_t inline_total = 0;
+    for (const Input* input : Inputs()) inline_total += input->is_inline ? input->size : 0;
     if (inline_total > service_->limits().max_inline_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat("inline tensors of ", inline_total,
                                                        " bytes exceed this daemon's limit of ",
@@ -182,7 +216,15 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       job->positions_buf.reset(new uint8_t[positions_.size]);
       positions_.data = job->positions_buf.get();
     }
+    for (int i = 0; i < 3; ++i) {
+      if (!qkv_[i].is_inline) continue;
+      job->qkv_buf[i].reset(new uint8_t[qkv_[i].size]);
+      qkv_[i].data = job->qkv_buf[i].get();
+    }
     job->tensors.x = reinterpret_cast<const uint16_t*>(x_.data);
+    job->tensors.q = reinterpret_cast<const uint16_t*>(qkv_[0].data);
+    job->tensors.k = reinterpret_cast<const uint16_t*>(qkv_[1].data);
+    job->tensors.v = reinterpret_cast<const uint16_t*>(qkv_[2].data);
     job->tensors.positions = rope ? reinterpret_cast<const float*>(positions_.data) : nullptr;
 
     // Output.
@@ -286,8 +328,9 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
         if (!use.ok()) return use.status();
         absl::StatusOr<uint8_t*> p = use->get()->Slice(slice.offset(), input->size, field);
         if (!p.ok()) return p.status();
-        if (reinterpret_cast<uintptr_t>(*p) % 4 != 0) {
-          return absl::InvalidArgumentError(absl::StrCat(field, ".offset = ", slice.offset(), " is not 4-byte aligned"));
+        if (reinterpret_cast<uintptr_t>(*p) % input->align != 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(field, ".offset = ", slice.offset(), " is not ", input->align, "-byte aligned"));
         }
         input->data = *p;
         job->regions.push_back(std::move(*use));
@@ -298,10 +341,20 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
   }
 
   absl::Status OnChunk(const v1::TensorChunk& chunk) {
-    Input* input = chunk.tensor() == v1::TENSOR_X ? &x_ : chunk.tensor() == v1::TENSOR_POSITIONS ? &positions_ : nullptr;
-    if (input == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("chunk.tensor = ", chunk.tensor(), ": ", method_,
-                                                     " takes TENSOR_X and TENSOR_POSITIONS"));
+    Input* input = nullptr;
+    switch (chunk.tensor()) {
+      case v1::TENSOR_X: input = &x_; break;
+      case v1::TENSOR_POSITIONS: input = &positions_; break;
+      case v1::TENSOR_Q: input = &qkv_[0]; break;
+      case v1::TENSOR_K: input = &qkv_[1]; break;
+      case v1::TENSOR_V: input = &qkv_[2]; break;
+      default:
+        return absl::InvalidArgumentError(absl::StrCat("chunk.tensor = ", chunk.tensor(), ": ", method_,
+                                                       " takes TENSOR_X (or TENSOR_Q, _K, _V), TENSOR_POSITIONS"));
+    }
+    if (input->size == 0 && !input->is_inline) {
+      return absl::InvalidArgumentError(absl::StrCat("chunk.tensor: ", TensorName(chunk.tensor()),
+                                                     " is not an input of this header"));
     }
     if (!input->is_inline) {
       return absl::InvalidArgumentError(absl::StrCat("chunk.tensor: ", input->field, " was not declared inline"));
@@ -317,6 +370,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     }
     std::memcpy(input->data + input->received, chunk.data().data(), n);
     input->received += n;
+    service_->CountInline(n, 0);
     return absl::OkStatus();
   }
 
@@ -329,7 +383,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       FinishOnce(absl::InvalidArgumentError("header: the stream ended before a header"));
       return;
     }
-    for (const Input* input : {&x_, &positions_}) {
+    for (const Input* input : Inputs()) {
       if (input->is_inline && input->received != input->size) {
         FinishOnce(absl::InvalidArgumentError(absl::StrCat(input->field, ": received ", input->received, " of ",
                                                            input->size, " bytes before the stream closed")));
@@ -392,6 +446,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     chunk->set_offset(sent_);
     chunk->set_data(out_inline_ + sent_, n);
     sent_ += n;
+    service_->CountInline(0, n);
     StartWrite(&out_);
   }
 
@@ -420,7 +475,20 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
   v1::LayerRequest in_;
   v1::LayerResponse out_;
   bool have_header_ = false;
+  std::array<const Input*, 5> Inputs() const { return {&x_, &positions_, &qkv_[0], &qkv_[1], &qkv_[2]}; }
+  static const char* TensorName(v1::TensorId id) {
+    switch (id) {
+      case v1::TENSOR_X: return "header.x";
+      case v1::TENSOR_Q: return "header.projected.q";
+      case v1::TENSOR_K: return "header.projected.k";
+      case v1::TENSOR_V: return "header.projected.v";
+      default: return "header.positions";
+    }
+  }
+
   Input x_, positions_;
+  Input qkv_[3];  // header.projected q, k, v
+  bool projected_ = false;
   uint8_t* out_inline_ = nullptr;
   uint64_t sent_ = 0;
   absl::Time header_start_, download_start_;

@@ -145,6 +145,12 @@ grpc::ServerUnaryReactor* KvpackService::Status(grpc::CallbackServerContext* con
   response->set_gpu_free_bytes(g.gpu_free);
   response->set_gpu_total_bytes(g.gpu_total);
   response->set_serving(!draining_ && e.Healthy());
+  const DeviceIdentity device = e.backend().Identity();
+  response->set_device_uuid(device.uuid);
+  response->set_device_pci_bus_id(device.pci_bus_id);
+  response->set_device_ordinal(device.ordinal);
+  response->set_inline_bytes_received(inline_received_.load());
+  response->set_inline_bytes_sent(inline_sent_.load());
   v1::TenantUsage* t = response->mutable_tenant();
   t->set_tenant(*tenant);
   auto it = s.by_tenant.find(*tenant);

@@ -36,6 +36,12 @@ class KvpackService final : public v1::Kvpack::CallbackService {
   const Auth& auth() const { return auth_; }
   const ServiceLimits& limits() const { return limits_; }
 
+  // Inline tensor bytes received (uploads) and sent (layer outputs), all tenants, since start.
+  void CountInline(uint64_t received, uint64_t sent) {
+    inline_received_ += received;
+    inline_sent_ += sent;
+  }
+
   // The tenant of a call, or why not (auth, draining).
   absl::StatusOr<std::string> Admit(const grpc::CallbackServerContext& context) const;
   // Records the finished call in the metrics and converts its status.
@@ -74,6 +80,8 @@ class KvpackService final : public v1::Kvpack::CallbackService {
   const Auth auth_;
   const ServiceLimits limits_;
   std::atomic<bool> draining_{false};
+  std::atomic<uint64_t> inline_received_{0};
+  std::atomic<uint64_t> inline_sent_{0};
 };
 
 // Reactors of the streaming calls (layer_call.cc, weights_call.cc).

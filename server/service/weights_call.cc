@@ -148,6 +148,7 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
     absl::Status s = service_->engine().backend().CopyToPool(entry_->lease.data() + part->offset + part->received,
                                                              chunk.data().data(), n);
     part->received += n;
+    service_->CountInline(n, 0);
     return s;
   }
 

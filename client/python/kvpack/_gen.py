@@ -54,9 +54,22 @@ def generate(proto_root=None):
 
 
 def ensure():
-    """Generates the modules when missing or stale; a no-op for an installed package."""
-    if is_stale():
-        generate()
+    """Generates the modules when missing or stale; a no-op for an installed package.
+
+    Without grpcio-tools (a machine that has only grpcio, e.g. a GPU host), modules generated
+    elsewhere are used as they are, stale or not: copy kvpack/v1/ (made by `python -m kvpack._gen`
+    on a machine that has grpcio-tools) next to this file. Only when there are none is it an error."""
+    if not is_stale():
+        return
+    try:
+        import grpc_tools  # noqa: F401
+    except ImportError:
+        if all(p.is_file() for p in GENERATED):
+            return      # pre-generated stubs: the proto may be newer only by its mtime after a copy
+        raise RuntimeError(
+            "kvpack/v1/kvpack_pb2*.py are missing and grpcio-tools is not installed: run "
+            "`python -m kvpack._gen` where grpcio-tools is, and copy client/python/kvpack/v1/ here")
+    generate()
 
 
 def main(argv=None):

@@ -212,6 +212,10 @@ class Client:
         header.x.CopyFrom(self._ref(x, pb.TENSOR_X, "bf16", inline))
         if positions is not None:
             header.positions.CopyFrom(self._ref(positions, pb.TENSOR_POSITIONS, "f32", inline))
+        return self._stream_layer(method, header, inline, n_tokens, output, timeout)
+
+    def _stream_layer(self, method, header, inline, n_tokens, output, timeout):
+        """Sets the output of `header`, streams it and the inline tensors, collects the result."""
         if method == "Project":
             header.output.mode = pb.OUTPUT_NONE
         elif isinstance(output, RegionSlice):
@@ -285,6 +289,48 @@ class Client:
                            ranges=ranges, positions=positions, options=options, keep_kv=False,
                            kv_handle=kv_handle, priority=priority, output=output,
                            timeout=timeout, n_tokens=n_tokens, hidden=hidden)
+
+    def attention_projected(self, q, k, v, *, n_heads, head_dim, ranges, layout="token_major",
+                            row_stride=0, batch=0, n_tokens=None, options=LayerOptions(),
+                            keep_kv=False, priority=0, output=None, timeout=None):
+        """Attention over q, k, v already projected (and normed / roped: options.rope and
+        qk_norm must be unset), no weights. layout "token_major": element (t, h, c) at
+        t·row_stride + h·d + c (arrays: any shape [..., H·d] or [..., H, d], sent compact);
+        "head_major": [B, H, N/B, d] contiguous, `batch` = B (arrays: their shape gives it).
+        q, k, v are bf16 arrays (uint16 bits or floats) or RegionSlices (then n_tokens, and the
+        layout's row_stride / batch, are needed). Returns LayerOutput(output [N, H·d], result)."""
+        hd = n_heads * head_dim
+        refs, inline = [], []
+        for name, t, tid in (("q", q, pb.TENSOR_Q), ("k", k, pb.TENSOR_K), ("v", v, pb.TENSOR_V)):
+            if isinstance(t, RegionSlice):
+                if n_tokens is None:
+                    raise ValueError(f"{name} in a region needs n_tokens")
+                refs.append(self._ref(t, tid, "bf16", inline))
+                continue
+            a = tensors.as_wire(t, "bf16")
+            if layout == "head_major":
+                if a.ndim != 4 or a.shape[1] != n_heads or a.shape[3] != head_dim:
+                    raise ValueError(f"{name}: head-major wants [B, {n_heads}, N/B, {head_dim}], got {a.shape}")
+                batch, n = a.shape[0], a.shape[0] * a.shape[2]
+            else:
+                a = a.reshape(-1, hd)
+                n, row_stride = a.shape[0], 0
+            if n_tokens is not None and n != n_tokens:
+                raise ValueError(f"{name} holds {n} tokens, expected {n_tokens}")
+            n_tokens = n
+            refs.append(self._ref(a, tid, "bf16", inline))
+        header = self.layer_header(n_tokens=n_tokens, hidden=0, n_heads=n_heads,
+                                   head_dim=head_dim, ranges=ranges, options=options,
+                                   keep_kv=keep_kv, priority=priority)
+        p = header.projected
+        p.layout = (pb.ProjectedQkv.LAYOUT_HEAD_MAJOR if layout == "head_major"
+                    else pb.ProjectedQkv.LAYOUT_TOKEN_MAJOR)
+        p.row_stride = row_stride if layout != "head_major" else 0
+        p.batch = batch if layout == "head_major" else 0
+        p.q.CopyFrom(refs[0])
+        p.k.CopyFrom(refs[1])
+        p.v.CopyFrom(refs[2])
+        return self._stream_layer("AttentionLayer", header, inline, n_tokens, output, timeout)
 
     def release_kv(self, kv_handle, timeout=None):
         self._unary("ReleaseKv", pb.ReleaseRequest(handle=kv_handle), timeout)

@@ -7,14 +7,18 @@ every attention it runs. q, k, v come as [B, N, H·d] (skip_reshape=False) or [B
 [B, H, N, d].
 
     from kvpack.comfy import AttentionOverride
-    from kvpack.torch import QkvAttention
-    hook = AttentionOverride(QkvAttention(kvpack.Client("unix:///run/kvpackd/kvpackd.sock")))
+    from kvpack.torch import ProjectedAttention
+    hook = AttentionOverride(ProjectedAttention(kvpack.Client("unix:///run/kvpackd/kvpackd.sock")))
     model.model_options["transformer_options"]["optimized_attention_override"] = hook
 
 The original function runs instead when kvpackd cannot help: a mask, cross-attention (k and v
 of another length than q), a head size the daemon does not take, fewer than `min_tokens` tokens,
 or the daemon answering UNAVAILABLE (not running, draining; then it is left alone for
 `retry_after_s`) or RESOURCE_EXHAUSTED (the layer does not fit its budget). Other errors raise.
+
+q, k and v reach `attend` as [B, N, H, d] views of ComfyUI's own memory (no copy here);
+kvpack.torch.ProjectedAttention sends them as pre-projected input, by CUDA IPC when they sit on the
+daemon's GPU.
 """
 
 import logging
@@ -48,7 +52,7 @@ def from_tokens_major(o, skip_output_reshape):
 
 class AttentionOverride:
     """Callable for ComfyUI's optimized_attention_override. `attend(q, k, v)` takes and returns
-    [B, N, H, d] tensors (kvpack.torch.QkvAttention, or anything with that contract).
+    [B, N, H, d] tensors (kvpack.torch.ProjectedAttention, or anything with that contract).
     Thread-safe: ComfyUI may run it from several threads."""
 
     def __init__(self, attend, *, min_tokens=1024, head_dims=(64, 128), retry_after_s=30.0,
@@ -136,7 +140,7 @@ class KvpackAttentionNode:
 
     def patch(self, model, target, formats, min_tokens, token=""):
         from kvpack.client import Client
-        from kvpack.torch import QkvAttention
+        from kvpack.torch import ProjectedAttention
 
         # KVPACK_TOKEN / KVPACK_TOKEN_FILE / KVPACK_TENANT from ComfyUI's environment apply
         # unless the node sets them.
@@ -144,7 +148,7 @@ class KvpackAttentionNode:
         if token:
             overrides["token"] = token
         client = Client.from_env(**overrides)
-        hook = AttentionOverride(QkvAttention(client, formats=tuple(formats.split(","))),
+        hook = AttentionOverride(ProjectedAttention(client, formats=tuple(formats.split(","))),
                                  min_tokens=min_tokens)
         patched = model.clone()
         options = patched.model_options.setdefault("transformer_options", {})

@@ -8,17 +8,19 @@
     out = attn(x, positions)        # [B, N, H·d], what `attn(rope(norm(split(qkv(x)))))` gave
 
 Tensors travel inline (bf16 bits, 1 MiB chunks), or through shared memory with
-`arena=kvpack.shm.SharedArena(client)` (same host; share one arena between modules); sending CUDA
-tensors by CUDA IPC when they sit on the daemon's GPU is a later step. A batch of B is packed as B sequences of one request
-(block-diagonal attention), so no padding is sent.
+`arena=kvpack.shm.SharedArena(client)` (same host; share one arena between modules). A batch of B
+is packed as B sequences of one request (block-diagonal attention), so no padding is sent.
 
-`QkvAttention` is the other entry point: attention over q, k, v already projected (what the
-ComfyUI hook receives), sent as x = [q | k | v] against an identity weight. It moves 3× the
-activations and runs an identity GEMM, so prefer KvpackSelfAttention where the block can be
-wrapped.
+`ProjectedAttention` is the other entry point: attention over q, k, v already projected (what the
+ComfyUI hook receives), sent as they are (header.projected: no weights, no GEMM). CUDA tensors on
+the daemon's GPU travel as CUDA IPC regions — nothing is copied, the output is written into a
+tensor allocated here — and everything else inline. `QkvAttention` (x = [q | k | v] against an
+identity weight: 3× the data and an identity GEMM) is kept for daemons older than header.projected.
 """
 
+import logging
 import threading
+import weakref
 
 import grpc
 import numpy as np
@@ -26,7 +28,9 @@ import torch
 
 from kvpack import tensors
 from kvpack.errors import KvpackError
-from kvpack.types import LayerOptions, Range
+from kvpack.types import LayerOptions, Range, RegionSlice
+
+log = logging.getLogger("kvpack.torch")
 
 FALLBACK_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -250,3 +254,164 @@ class QkvAttention:
             res = run(xw, self._identity(h, d, refresh=True), **kwargs)
         self.last_result = res.result
         return from_wire_bf16(res.output, (b, n, h, d), q)
+
+
+# ── pre-projected q, k, v; CUDA IPC ─────────────────────────────────────────────────────────────
+
+def _uuid_text(uuid):
+    text = str(uuid).strip().lower()
+    return text[4:] if text.startswith("gpu-") else text
+
+
+class CudaIpcRegions:
+    """CUDA tensors' storages as CUDA IPC regions of one daemon: one region per storage,
+    registered on first use and unregistered when the storage dies (weakref.finalize).
+    `reaches(t)` says whether t sits on the daemon's GPU (Status.device_uuid against
+    torch.cuda.get_device_properties(...).uuid). Thread-safe."""
+
+    def __init__(self, client):
+        self.client = client
+        self._lock = threading.RLock()      # a finalizer may run inside the lock (GC)
+        self._by_storage = {}               # storage data_ptr -> (weakref, region_id, base offset)
+        self._daemon = None                 # (uuid, ordinal), or () when it serves no GPU
+
+    def daemon_device(self):
+        if self._daemon is None:
+            st = self.client.status()
+            self._daemon = (_uuid_text(st.device_uuid), st.device_ordinal) if st.device_uuid else ()
+        return self._daemon
+
+    def reaches(self, t):
+        if not t.is_cuda:
+            return False
+        daemon = self.daemon_device()
+        if not daemon:
+            return False
+        props = torch.cuda.get_device_properties(t.device)
+        return _uuid_text(getattr(props, "uuid", "")) == daemon[0]
+
+    def slice(self, t, nbytes):
+        """The RegionSlice of `nbytes` starting at t's first element."""
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        with self._lock:
+            entry = self._by_storage.get(key)
+            if entry is None or entry[0]() is not storage:
+                entry = self._register(storage, key)
+                self._by_storage[key] = entry
+        return RegionSlice(entry[1], entry[2] + t.storage_offset() * t.element_size(), nbytes)
+
+    def _register(self, storage, key):
+        _, handle, size, offset, rc_handle, rc_offset = storage._share_cuda_()[:6]
+        # Sharing arms PyTorch's IPC reference counter (set to 1 for one consumer process); kvpackd
+        # does not speak that protocol, so release it here, or the block would stay in PyTorch's
+        # "limbo" after the storage dies. The region is unregistered before the memory is reused.
+        release = getattr(torch.UntypedStorage, "_release_ipc_counter_cuda", None)
+        if release is not None and rc_handle:
+            release(rc_handle, rc_offset)
+        if len(handle) != 64:
+            # e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True shares another handle kind
+            raise ValueError(f"storage IPC handle of {len(handle)} bytes, not a cudaIpcMemHandle_t")
+        region_id = self.client.register_cuda_ipc(handle, offset + size, device=self._daemon[1])
+        weakref.finalize(storage, self._forget, key, region_id)
+        return weakref.ref(storage), region_id, offset
+
+    def _forget(self, key, region_id):
+        with self._lock:
+            entry = self._by_storage.get(key)
+            if entry is not None and entry[1] == region_id:
+                del self._by_storage[key]
+        try:
+            self.client.unregister_region(region_id, timeout=10)
+        except Exception:   # the daemon is gone or forgot it (lease, restart): nothing to undo
+            pass
+
+    def forget_all(self):
+        """Drops every cached region (after NOT_FOUND: a daemon restart or an expired lease)."""
+        with self._lock:
+            regions = [e[1] for e in self._by_storage.values()]
+            self._by_storage.clear()
+        for region_id in regions:
+            try:
+                self.client.unregister_region(region_id, timeout=10)
+            except Exception:
+                pass
+
+
+def projected_layout(t):
+    """How a bf16 [B, N, H, d] tensor (a view is fine) lies in memory, in header.projected terms:
+    ("token_major", row_stride, 0), ("head_major", 0, B), or None (copy it first)."""
+    b, n, h, d = t.shape
+    s = t.stride()
+    if s[3] == 1 and s[2] == d and s[1] >= h * d and (b == 1 or s[0] == n * s[1]):
+        return "token_major", s[1], 0
+    if t.transpose(1, 2).is_contiguous():
+        return "head_major", 0, b
+    return None
+
+
+def _span_bytes(layout, row_stride, n_tokens, hd):
+    if layout == "head_major":
+        return 2 * n_tokens * hd
+    return 2 * ((n_tokens - 1) * row_stride + hd)
+
+
+class ProjectedAttention:
+    """attend(q, k, v) over [B, N, H, d] tensors (views of [B, N, H·d] or [B, H, N, d] memory are
+    fine) through kvpackd's pre-projected input; returns [B, N, H, d] in q's dtype and device.
+    On the daemon's GPU (cuda_ipc=True) q, k, v and the output travel as CUDA IPC regions; else
+    inline. `last_result` holds the LayerResult, `last_transport` "cuda_ipc" or "inline"."""
+
+    def __init__(self, client, *, formats=("int8", "int4"), causal=False, softmax_scale=0.0,
+                 priority=0, timeout=None, cuda_ipc=True):
+        self.client = client
+        self.formats, self.priority, self.timeout = tuple(formats), priority, timeout
+        self.options = LayerOptions(causal=causal, softmax_scale=softmax_scale)
+        self.regions = CudaIpcRegions(client) if cuda_ipc else None
+        self.last_result = None
+        self.last_transport = None
+
+    def __call__(self, q, k, v):
+        b, n, h, d = q.shape
+        ranges = pack_batch([Range(0, n, 0, self.formats)], b, n)
+        if self.regions is not None and all(self.regions.reaches(t) for t in (q, k, v)):
+            try:
+                return self._by_ipc(q, k, v, ranges)
+            except ValueError as e:
+                log.warning("kvpack: CUDA IPC not possible (%s); sending inline", e)
+                self.regions = None
+            except KvpackError as e:
+                if e.code != grpc.StatusCode.NOT_FOUND:
+                    raise
+                self.regions.forget_all()       # daemon restart or expired lease: register again
+                return self._by_ipc(q, k, v, ranges)
+        qw, kw, vw = (to_wire_bf16(t.reshape(b * n, h * d)) for t in (q, k, v))
+        res = self.client.attention_projected(qw, kw, vw, n_heads=h, head_dim=d, ranges=ranges,
+                                              options=self.options, priority=self.priority,
+                                              timeout=self.timeout)
+        self.last_result, self.last_transport = res.result, "inline"
+        return from_wire_bf16(res.output, (b, n, h, d), q)
+
+    def _by_ipc(self, q, k, v, ranges):
+        b, n, h, d = q.shape
+        hd, n_tokens = h * d, b * n
+        qkv = [t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16) for t in (q, k, v)]
+        layouts = [projected_layout(t) for t in qkv]
+        # One layout for all three, rows 16-byte aligned (the GPU epilogue's vector loads).
+        if (None in layouts or len(set(layouts)) != 1 or layouts[0][1] % 8
+                or any(t.data_ptr() % 16 for t in qkv)):
+            qkv = [t.contiguous() for t in qkv]
+            layouts = [("token_major", hd, 0)] * 3
+        layout, row_stride, batch = layouts[0]
+        span = _span_bytes(layout, row_stride, n_tokens, hd)
+        out = torch.empty((b, n, hd), dtype=torch.bfloat16, device=q.device)
+        slices = [self.regions.slice(t, span) for t in qkv]
+        out_slice = self.regions.slice(out, out.numel() * out.element_size())
+        torch.cuda.current_stream(q.device).synchronize()   # q, k, v written before kvpackd reads
+        res = self.client.attention_projected(
+            *slices, n_heads=h, head_dim=d, ranges=ranges, layout=layout, row_stride=row_stride,
+            batch=batch, n_tokens=n_tokens, options=self.options, priority=self.priority,
+            output=out_slice, timeout=self.timeout)
+        self.last_result, self.last_transport = res.result, "cuda_ipc"
+        # kvpackd synchronised its stream before answering: `out` holds the result.
+        return out.view(b, n, h, d).to(q.dtype)

@@ -233,5 +233,61 @@ TEST(Engine, ConcurrentLayersOnADeviceTakeTurnsChunkByChunk) {
   EXPECT_EQ(engine.pool().Snapshot().allocated, 0u);
 }
 
+// Pre-projected q, k, v (strided: column slices of one fused [N, 3·H·d] buffer) staged through the
+// pool as whole spans, strides kept; no weights, and the peak is the plan's.
+Ran RunProjected(Engine& engine, const std::vector<uint16_t>& fused, int64_t n, int heads, int head_dim) {
+  const int64_t hd = static_cast<int64_t>(heads) * head_dim;
+  LayerRequest request;
+  request.shape = {n, static_cast<int>(hd), heads, head_dim};
+  request.ranges = {{0, n / 3, 0, {PageFormat::kBf16}}, {n / 3, n, 1, {PageFormat::kInt8, PageFormat::kInt4}}};
+  request.attention.causal = true;
+  request.projected = {true, 3 * hd, head_dim, n, 0};
+  Ran ran;
+  ran.out.assign(static_cast<size_t>(n * hd), 0);
+  auto job = std::make_shared<LayerJob>();
+  job->tenant = "t";
+  absl::StatusOr<LayerPlan> plan = engine.Plan("t", request);
+  EXPECT_TRUE(plan.ok() && plan->fits);
+  job->plan = *plan;
+  ran.plan = *plan;
+  job->tensors.q = fused.data();
+  job->tensors.k = fused.data() + hd;
+  job->tensors.v = fused.data() + 2 * hd;
+  job->tensors.out = ran.out.data();
+  std::promise<absl::Status> done;
+  job->done = [&done](absl::Status s) { done.set_value(std::move(s)); };
+  engine.Submit(job);
+  ran.status = done.get_future().get();
+  ran.peak = job->peak_bytes;
+  return ran;
+}
+
+TEST(Engine, StagesProjectedInputsAsWholeSpans) {
+  SystemClock clock;
+  auto device = std::make_unique<FakeDeviceBackend>();
+  FakeDeviceBackend* fake = device.get();
+  Engine engine(Options(), std::move(device), &clock);
+  Engine reference(Options(), MakeCpuBackend(1), &clock);
+  const int64_t n = 203;
+  const int heads = 2, head_dim = 32, hd = heads * head_dim;
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(testing::SmallSpec(47));
+  std::vector<uint16_t> fused(static_cast<size_t>(n * 3 * hd));
+  for (size_t i = 0; i < fused.size(); ++i) fused[i] = L.x[i % L.x.size()];  // seeded, structured, not zeros
+  Ran staged = RunProjected(engine, fused, n, heads, head_dim);
+  Ran direct = RunProjected(reference, fused, n, heads, head_dim);
+  ASSERT_TRUE(staged.status.ok()) << staged.status;
+  ASSERT_TRUE(direct.status.ok()) << direct.status;
+  EXPECT_TRUE(staged.out == direct.out);
+  const uint64_t span = 2ull * ((n - 1) * 3 * hd + hd), out_bytes = 2ull * n * hd;
+  EXPECT_EQ(staged.plan.io_bytes, 3 * PoolBytes(span) + PoolBytes(out_bytes));
+  EXPECT_EQ(direct.plan.workspace_bytes, PoolBytes(2ull * direct.plan.query_chunk * hd));  // no GEMM rows
+  EXPECT_EQ(staged.peak, staged.plan.peak_bytes);
+  EXPECT_EQ(fake->copied_in, 3 * span);
+  EXPECT_EQ(fake->copied_out, out_bytes);
+  EXPECT_EQ(fake->project_calls, 1);
+  EXPECT_EQ(engine.pool().Snapshot().high_water, staged.peak);
+  EXPECT_EQ(reference.pool().Snapshot().high_water, direct.peak);
+}
+
 }  // namespace
 }  // namespace kvpack::server
