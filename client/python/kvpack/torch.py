@@ -309,6 +309,12 @@ class CudaIpcRegions:
         release = getattr(torch.UntypedStorage, "_release_ipc_counter_cuda", None)
         if release is not None and rc_handle:
             release(rc_handle, rc_offset)
+        handle = bytes(handle)
+        if len(handle) == 66 and handle[1:2] == b"c":
+            # PyTorch 2.x wraps the handle: a version byte, a kind byte ('c': cudaMalloc, 'e':
+            # expandable segment), then the kind's payload — for 'c' the 64-byte cudaIpcMemHandle_t
+            # (seen as 66 bytes with PyTorch 2.11 on the H200).
+            handle = handle[2:]
         if len(handle) != 64:
             # e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True shares another handle kind
             raise ValueError(f"storage IPC handle of {len(handle)} bytes, not a cudaIpcMemHandle_t")
