@@ -7,8 +7,9 @@
 // registers. The epilogue un-rotates each output row (Rᵀ, fast Walsh–Hadamard in registers),
 // multiplies by λ_v, adds μ_v and writes bf16. Masking: slots past PageDesc::n_valid, keys of other sequences, and (causal)
 // keys after the query; pages that no query of the tile may see are skipped before they are loaded.
-//   attention_wgmma.cu (kWgmma, the default): Hopper's wgmma; a producer warp group
-//     decodes pages into a ring of swizzled tiles, two consumer warp groups of 64 rows multiply.
+//   attention_wgmma.cu (kWgmma, the default): Hopper's wgmma; two producer warp groups bulk-copy
+//     pages and decode K and V into a ring of swizzled tiles, two consumer warp groups of 64 rows
+//     multiply.
 //   attention.cu (kTall, kWide): mma.sync m16n8k16 from ldmatrix fragments; every warp decodes.
 // attention_device.cuh holds what both share (decode, visibility, the epilogue).
 //
@@ -32,8 +33,8 @@ inline constexpr int kTileQueries = 128;
 // two CTAs per SM — every K/V fragment read from shared memory feeds two MMAs (H200, N = 32768, INT4:
 // 200 TFLOP/s). kWide: mma.sync, 8 warps × 16 rows, one CTA per SM (166 TFLOP/s there, but 200 with
 // BF16 pages, whose 64 KiB raw stages leave room for only one kTall CTA: 148). kWgmma: Hopper's
-// wgmma, one producer warp group decoding pages and two consumer warp groups of 64 rows
-// (attention_wgmma.cu; bench/RESULTS.md run 4). kAuto picks kWgmma.
+// wgmma, two producer warp groups decoding pages and two consumer warp groups of 64 rows
+// (attention_wgmma.cu; bench/RESULTS.md runs 4–12: 358 TFLOP/s over INT4). kAuto picks kWgmma.
 enum class AttentionTilingChoice : uint8_t { kAuto = 0, kTall = 1, kWide = 2, kWgmma = 3 };
 
 struct AttentionParams {
