@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "tests/server/service/cuda_ipc_region.h"
 #include "tests/server/service/daemon_process.h"
 #include "tests/server/service/test_layers.h"
 
@@ -38,22 +39,7 @@ class CudaDaemonTest : public ::testing::Test {
     ASSERT_TRUE(weights_.ok()) << weights_.status();
   }
 
-  // Registers `bytes` of device memory at `ptr`'s allocation as a CUDA IPC region.
-  std::string RegisterIpc(void* allocation, uint64_t bytes) {
-    cudaIpcMemHandle_t handle;
-    EXPECT_EQ(cudaIpcGetMemHandle(&handle, allocation), cudaSuccess);
-    v1::RegisterRegionRequest req;
-    req.set_kind(v1::REGION_CUDA_IPC);
-    req.set_cuda_ipc_handle(std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)));
-    req.set_device(0);
-    req.set_size_bytes(bytes);
-    v1::RegisterRegionResponse resp;
-    grpc::ClientContext ctx;
-    c_->Prepare(&ctx);
-    const grpc::Status st = c_->stub()->RegisterRegion(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << st.error_message();
-    return resp.region_id();
-  }
+  std::string RegisterIpc(void* allocation, uint64_t bytes) { return RegisterCudaIpcRegion(*c_, allocation, bytes); }
 
   void ExpectMatchesReference(const std::vector<uint16_t>& out, const v1::LayerResult& r) {
     absl::StatusOr<std::vector<uint16_t>> ref = client::ReferenceOutput(layer_, r.plan());

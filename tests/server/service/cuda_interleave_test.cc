@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/server/service/cuda_ipc_region.h"
 #include "tests/server/service/daemon_process.h"
 #include "tests/server/service/test_layers.h"
 
@@ -136,21 +137,7 @@ class CudaInterleaveTest : public ::testing::Test {
     return h;
   }
 
-  std::string RegisterIpc(void* allocation, uint64_t bytes) {
-    cudaIpcMemHandle_t handle;
-    EXPECT_EQ(cudaIpcGetMemHandle(&handle, allocation), cudaSuccess);
-    v1::RegisterRegionRequest req;
-    req.set_kind(v1::REGION_CUDA_IPC);
-    req.set_cuda_ipc_handle(std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)));
-    req.set_device(0);
-    req.set_size_bytes(bytes);
-    v1::RegisterRegionResponse resp;
-    grpc::ClientContext ctx;
-    long_client_->Prepare(&ctx);
-    const grpc::Status st = long_client_->stub()->RegisterRegion(&ctx, req, &resp);
-    EXPECT_TRUE(st.ok()) << st.error_message();
-    return resp.region_id();
-  }
+  std::string RegisterIpc(void* allocation, uint64_t bytes) { return RegisterCudaIpcRegion(*long_client_, allocation, bytes); }
 
   std::vector<uint16_t> LongOutput() {
     std::vector<uint16_t> out(out_bytes_ / 2);
