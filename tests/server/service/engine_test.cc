@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <thread>
 
 #include "client/synthetic.h"
 #include "server/backends/cpu_backend.h"
@@ -230,6 +232,12 @@ TEST(Engine, ConcurrentLayersOnADeviceTakeTurnsChunkByChunk) {
   }
   EXPECT_GT(fake->chunks, 3 * 2);
   EXPECT_EQ(fake->max_running_chunks, 1) << "two calls' chunks ran at once: the turn did not serialise them";
+  // A job (and the weights lease it holds) is dropped by the executor thread just after its `done`
+  // has fired, so the last release may trail the future by a moment.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (engine.pool().Snapshot().allocated != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   EXPECT_EQ(engine.pool().Snapshot().allocated, 0u);
 }
 
