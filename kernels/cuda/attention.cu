@@ -236,13 +236,7 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
     float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float l = row_sum[mt][r];
-      l += __shfl_xor_sync(kFullMask, l, 1);
-      l += __shfl_xor_sync(kFullMask, l, 2);
-      inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
-    }
+    InverseRowSums(row_sum[mt], inv);
 #pragma unroll
     for (int n = 0; n < kONTiles; ++n) {
 #pragma unroll

@@ -205,6 +205,18 @@ __device__ int CollectVisiblePages(const AttentionParams& p, const QueryRuns& ru
 }
 
 // ── Epilogue ────────────────────────────────────────────────────────────────────────────────────
+// 1/ℓ of a thread's two rows (g, g + 8), whose softmax sums are spread over the quad of lanes 4g…4g+3;
+// 0 for a row that saw no key.
+__device__ __forceinline__ void InverseRowSums(const float (&row_sum)[2], float (&inv)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(kFullMask, l, 1);
+    l += __shfl_xor_sync(kFullMask, l, 2);
+    inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
+  }
+}
+
 // One warp writes n_rows output rows of `head`: rows[r·pitch + c] holds channel c of acc/ℓ (still
 // rotated) for output row out_row0 + r. Each row: Rᵀ (fast Walsh–Hadamard across the warp), +μ_v,
 // bf16 store. REQUIRES: the rows are visible to the calling warp (__syncwarp after writing them).
