@@ -211,10 +211,10 @@ __global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const
         uint32_t a[kMTiles][4];
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-          a[mt][0] = PackBf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-          a[mt][1] = PackBf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-          a[mt][2] = PackBf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-          a[mt][3] = PackBf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+          a[mt][0] = PackBf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+          a[mt][1] = PackBf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+          a[mt][2] = PackBf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+          a[mt][3] = PackBf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
         }
 #pragma unroll
         for (int n = 0; n < kONTiles; n += 2) {

@@ -31,14 +31,6 @@ __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
-__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ float HalfBits(uint32_t bits) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-}
-
 // ── Page decode ─────────────────────────────────────────────────────────────────────────────────
 // Channels c8·8 … c8·8 + 7 of row r of a raw page (shared memory) in format F: LoadUnit reads the
 // bytes, ConvertUnit makes 8 bf16 of them exactly as format.h's reference decodes (fp32: lo + code·
@@ -89,7 +81,7 @@ __device__ __forceinline__ uint4 ConvertUnit(const RawUnit<F>& u) {
       v[4 + k] = (__uint_as_float(__byte_perm(y, 0x4b000000u, 0x7540 + k)) - 8388736.0f) * scale;
     }
   }
-  return make_uint4(PackBf16x2(v[0], v[1]), PackBf16x2(v[2], v[3]), PackBf16x2(v[4], v[5]), PackBf16x2(v[6], v[7]));
+  return make_uint4(PackBf16(v[0], v[1]), PackBf16(v[2], v[3]), PackBf16(v[4], v[5]), PackBf16(v[6], v[7]));
 }
 
 // One unit, zeros for rows at or past n_valid.

@@ -391,10 +391,10 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
         // O[64 × d] += P[64 × 64] · V[64 × d]: k-step kk takes keys kk·16 … +15 (two 8-key row groups).
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-          a[kk][0] = PackBf16x2(sc[2 * kk][0], sc[2 * kk][1]);
-          a[kk][1] = PackBf16x2(sc[2 * kk][2], sc[2 * kk][3]);
-          a[kk][2] = PackBf16x2(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-          a[kk][3] = PackBf16x2(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+          a[kk][0] = PackBf16(sc[2 * kk][0], sc[2 * kk][1]);
+          a[kk][1] = PackBf16(sc[2 * kk][2], sc[2 * kk][3]);
+          a[kk][2] = PackBf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+          a[kk][3] = PackBf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
         }
         const uint64_t v_desc = Desc(SmemAddr(smem + T::kVOffset + s * T::kTileBytes), kPageTokens * 128, 1024);
         FenceRegs(o);

@@ -8,7 +8,14 @@
 namespace kvpack::cuda {
 namespace {
 
+// A block is 8 warps: 8 consecutive columns (column j = block·H + head: the q, k or v rows of one
+// head) over the same kRowsPerWarp tokens. Each warp keeps its column's constants (bias, norm
+// weights, μ, λ and the rotation signs, folded) in registers for all its rows, and keeps the loads of
+// rows r + 1 … r + kRowsAhead in flight while it transforms row r (one row's latency was the largest
+// stall with a single load ahead).
 constexpr int kWarpsPerBlock = 8;
+constexpr int kRowsPerWarp = 16;
+constexpr int kRowsAhead = 3;
 
 // RoPE on one row (after QK-norm, before smoothing), the CPU reference's arithmetic without FMA
 // contraction. `buf` is this warp's d floats of shared memory, used to read each channel's partner.
@@ -32,7 +39,8 @@ __device__ void ApplyRope(float (&x)[kPerLane], float* buf, int lane, const RowE
       partner = first ? c + half : c - half;
     }
     const float angle = __fmul_rn(p.positions[token * p.rope_axes + p.rope_axis_of_pair[pair]], p.rope_inv_freq[pair]);
-    const float co = cosf(angle), s = sinf(angle);
+    float s, co;
+    sincosf(angle, &s, &co);
     const float other = buf[partner];
     // (x0, x1) → (x0·cos − x1·sin, x0·sin + x1·cos), x0 the first channel of the pair.
     x[i] = first ? __fsub_rn(__fmul_rn(x[i], co), __fmul_rn(other, s))
@@ -41,7 +49,11 @@ __device__ void ApplyRope(float (&x)[kPerLane], float* buf, int lane, const RowE
   __syncwarp();
 }
 
-// Quantizes one rotated row into `slot` of `page` (format.h encoders, lane-parallel).
+// RN(1/15) and RN(1/127): the encoders' divisions by 15 and 127 through DivideByReciprocal.
+constexpr float kInv15 = 1.0f / 15.0f, kInv127 = 1.0f / 127.0f;
+
+// Quantizes one rotated row into `slot` of `page` (format.h encoders, lane-parallel, the same
+// roundings: conversions by the hardware, divisions by DivideByReciprocal).
 template <int kPerLane>
 __device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat format, int slot, uint8_t* page) {
   constexpr int kDim = 32 * kPerLane;
@@ -52,14 +64,14 @@ __device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat fo
 #pragma unroll
     for (int i = 1; i < kPerLane; ++i) mn = fminf(mn, x[i]), mx = fmaxf(mx, x[i]);
     mn = WarpMin(mn), mx = WarpMax(mx);
-    const uint16_t scale_bits = FloatToHalf(ClampToHalfRange((mx - mn) / 15.0f));
-    const uint16_t lo_bits = FloatToHalf(ClampToHalfRange(mn));
-    const float scale = HalfToFloat(scale_bits), lo = HalfToFloat(lo_bits);
-    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    const uint16_t scale_bits = FloatToHalfBits(ClampToHalfRange(DivideByReciprocal(mx - mn, 15.0f, kInv15)));
+    const uint16_t lo_bits = FloatToHalfBits(ClampToHalfRange(mn));
+    const float scale = HalfBits(scale_bits), lo = HalfBits(lo_bits);
+    const float inv = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
     uint32_t packed = 0;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const float c = fminf(fmaxf(rintf((x[i] - lo) * inv), 0.0f), 15.0f);
+    for (int i = 0; i < kPerLane; ++i) {  // rint then clamp to [0, 15], as integers
+      const int c = min(max(__float2int_rn(__fmul_rn(x[i] - lo, inv)), 0), 15);
       packed |= static_cast<uint32_t>(c) << (4 * i);  // channel 2j low nibble, 2j+1 high nibble
     }
     if constexpr (kPerLane == 4) {
@@ -73,14 +85,14 @@ __device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat fo
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) amax = fmaxf(amax, fabsf(x[i]));
     amax = WarpMax(amax);
-    const uint16_t scale_bits = FloatToHalf(ClampToHalfRange(amax / 127.0f));
-    const float scale = HalfToFloat(scale_bits);
-    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    const uint16_t scale_bits = FloatToHalfBits(ClampToHalfRange(DivideByReciprocal(amax, 127.0f, kInv127)));
+    const float scale = HalfBits(scale_bits);
+    const float inv = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
     uint32_t packed = 0;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
-      const float c = fminf(fmaxf(rintf(x[i] * inv), -127.0f), 127.0f);
-      packed |= (static_cast<uint32_t>(static_cast<int32_t>(c)) & 0xffu) << (8 * i);
+      const int c = min(max(__float2int_rn(__fmul_rn(x[i], inv)), -127), 127);
+      packed |= (static_cast<uint32_t>(c) & 0xffu) << (8 * i);
     }
     if constexpr (kPerLane == 4) {
       *reinterpret_cast<uint32_t*>(codes + 4 * lane) = packed;
@@ -93,12 +105,21 @@ __device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat fo
   }
 }
 
-// kWarpsPerToken warps share one token: warp `sub` of the group takes rows j = sub, sub + 4, … of
-// the token's kBlocks·H rows (j = block·H + head; block 0/1 = K/V, or 0 = Q). A warp finds the
-// token's page and its rotation signs once, and loads row j + 4 while it transforms row j, so each
-// warp keeps a load in flight instead of waiting on one 256-byte row at a time.
-constexpr int kWarpsPerToken = 4;
-constexpr int kTokensPerBlock = kWarpsPerBlock / kWarpsPerToken;
+// The page that holds one token, found once and kept while the warp's tokens stay inside it.
+struct PageCursor {
+  int64_t begin = 0, end = 0;  // tokens [begin, end) of the page in hand; empty at first
+  PageFormat format = PageFormat::kInt4;
+  uint8_t* base = nullptr;
+
+  __device__ void Seek(const RowEpilogueParams& p, int head, int which, int64_t token) {
+    if (token >= begin && token < end) return;
+    const int index = FindPage(p.pages, p.n_pages, token);
+    const PageDesc page = p.pages[index];
+    begin = page.token_begin, end = begin + page.n_valid;
+    format = static_cast<PageFormat>(page.format);
+    base = p.kv_block + (which == 0 ? p.k_offsets : p.v_offsets)[static_cast<int64_t>(head) * p.n_pages + index];
+  }
+};
 
 template <int kDim, RowMode kMode>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const RowEpilogueParams p) {
@@ -106,62 +127,76 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const R
   constexpr int kBlocks = kMode == RowMode::kQuery ? 1 : 2;
   __shared__ float rope_buf[kWarpsPerBlock][kDim];
 
-  // ── Which token, which rows ───────────────────────────────────────────────────────────────────
+  // ── Which column, which rows ──────────────────────────────────────────────────────────────────
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kTokensPerBlock + warp / kWarpsPerToken;
-  const int sub = warp % kWarpsPerToken;
-  if (row >= p.n_rows) return;  // warp-uniform
-  const int n_rows_of_token = kBlocks * p.n_heads;
+  const int column = blockIdx.y * kWarpsPerBlock + warp;
+  if (column >= kBlocks * p.n_heads) return;  // warp-uniform
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.x) * kRowsPerWarp;
+  const int64_t row_end = min(row_begin + kRowsPerWarp, p.n_rows);
+  const int which = column / p.n_heads, head = column % p.n_heads;  // input columns column·d …
+  const int kind = kMode == RowMode::kQuery ? 0 : 1 + which;         // 0 q, 1 k, 2 v: W / bias block
   const int64_t head_cols = static_cast<int64_t>(p.n_heads) * kDim;
-  const int64_t token = p.token_index ? p.token_index[row] : p.token_begin + row;
   const int chan = lane * kPerLane;  // first channel of this lane
-  // Row j of the token (j = block·H + head): in the GEMM output, or in the caller's tensors.
-  const bool given = p.given[0] != nullptr;
-  const uint16_t* in_row = given ? nullptr : p.in + row * p.in_stride + chan;
-  const ProjectedLayout& gl = p.given_layout;
-  const int64_t given_token = given ? token / gl.batch_tokens * gl.batch_stride + token % gl.batch_tokens * gl.token_stride
-                                    : 0;
-  const auto row_ptr = [&](int j) -> const uint16_t* {
-    if (!given) return in_row + j * kDim;
-    const int block = j / p.n_heads, head = j % p.n_heads;
-    return p.given[block] + given_token + head * gl.head_stride + chan;
-  };
-  float sign[kPerLane];
-  LaneSigns(sign, lane, p.seed);
-  int page_index = 0, slot = 0;
-  PageFormat format = PageFormat::kInt4;
-  if constexpr (kMode == RowMode::kPackKv) {
-    page_index = FindPage(p.pages, p.n_pages, token);
-    const PageDesc page = p.pages[page_index];
-    format = static_cast<PageFormat>(page.format);
-    slot = static_cast<int>(token - page.token_begin);
+  const int hc = head * kDim + chan;  // column inside one q / k / v block
+
+  // ── The column's constants ────────────────────────────────────────────────────────────────────
+  // bias; QK-norm weights; shift μ and factor f: K and V are divided by f = λ·s (or λ_v·s), Q is
+  // multiplied by it, s the rotation sign. Folding s in is exact: it only flips signs.
+  float bias[kPerLane], norm_w[kPerLane], shift[kPerLane], factor[kPerLane], inv_factor[kPerLane];
+  const float* norm_table = kind == 0 ? p.q_norm_weight : (kind == 1 ? p.k_norm_weight : nullptr);
+  const bool norm = p.norm && norm_table != nullptr;
+  const int w0 = p.norm_weight_len == kDim ? chan : hc;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    bias[i] = p.bias ? p.bias[kind * head_cols + hc + i] : 0.0f;
+    norm_w[i] = norm ? norm_table[w0 + i] : 1.0f;
+    const float sign = p.rotate ? RotationSign(p.seed, chan + i) : 1.0f;
+    shift[i] = 0.0f, factor[i] = sign;
+    if constexpr (kMode == RowMode::kQuery) {
+      factor[i] = p.lambda[hc + i] * sign;
+    } else if constexpr (kMode == RowMode::kPackKv) {
+      shift[i] = (which == 0 ? p.mu_k : p.mu_v)[hc + i];
+      factor[i] = (which == 0 ? p.lambda : p.lambda_v)[hc + i] * sign;
+    }
+    inv_factor[i] = __frcp_rn(factor[i]);
   }
 
-  float next[kPerLane];
-  if (sub < n_rows_of_token) LoadBf16(row_ptr(sub), next);
-  for (int j = sub; j < n_rows_of_token; j += kWarpsPerToken) {
-    float x[kPerLane];
+  // ── Rows ──────────────────────────────────────────────────────────────────────────────────────
+  const bool given = p.given[0] != nullptr;
+  const ProjectedLayout& gl = p.given_layout;
+  const auto token_of = [&](int64_t row) { return p.token_index ? p.token_index[row] : p.token_begin + row; };
+  const auto row_ptr = [&](int64_t row) -> const uint16_t* {
+    if (!given) return p.in + row * p.in_stride + column * kDim + chan;
+    const int64_t token = token_of(row);
+    return p.given[which] + token / gl.batch_tokens * gl.batch_stride + token % gl.batch_tokens * gl.token_stride +
+           head * gl.head_stride + chan;
+  };
+  PageCursor page;
+  Bf16Lanes<kPerLane> ahead[kRowsAhead];  // rows row + 1 … row + kRowsAhead, as loaded
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) x[i] = next[i];
-    if (j + kWarpsPerToken < n_rows_of_token) LoadBf16(row_ptr(j + kWarpsPerToken), next);
-    const int which = j / p.n_heads, head = j % p.n_heads;  // columns j·d … of the input row
-    const int kind = kMode == RowMode::kQuery ? 0 : 1 + which;  // 0 q, 1 k, 2 v: W / bias block
-    const int hc = head * kDim + chan;                          // column inside one q / k / v block
+  for (int k = 0; k < kRowsAhead; ++k) {
+    if (row_begin + k < row_end) ahead[k] = LoadBf16Lanes<kPerLane>(row_ptr(row_begin + k));
+  }
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    float x[kPerLane];
+    UnpackBf16(ahead[0], x);
+#pragma unroll
+    for (int k = 0; k + 1 < kRowsAhead; ++k) ahead[k] = ahead[k + 1];
+    if (row + kRowsAhead < row_end) ahead[kRowsAhead - 1] = LoadBf16Lanes<kPerLane>(row_ptr(row + kRowsAhead));
+    const int64_t token = token_of(row);
 
     // ── Bias, QK-norm, RoPE ─────────────────────────────────────────────────────────────────────
     if (p.bias) {
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) x[i] += p.bias[kind * head_cols + hc + i];
+      for (int i = 0; i < kPerLane; ++i) x[i] += bias[i];
     }
-    const float* norm_w = kind == 0 ? p.q_norm_weight : (kind == 1 ? p.k_norm_weight : nullptr);
-    if (p.norm && norm_w) {
+    if (norm) {
       float ss = 0.0f;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) ss += x[i] * x[i];
       const float r = 1.0f / sqrtf(WarpSum(ss) / static_cast<float>(kDim) + p.norm_eps);
-      const int w0 = p.norm_weight_len == kDim ? chan : hc;
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], r), norm_w[w0 + i]);
+      for (int i = 0; i < kPerLane; ++i) x[i] = __fmul_rn(__fmul_rn(x[i], r), norm_w[i]);
     }
     if (kind != 2 && p.rope_layout != RopeLayout::kNone) ApplyRope(x, rope_buf[warp], lane, p, token);
 
@@ -172,27 +207,24 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const R
       for (int i = 0; i < kPerLane; ++i) out[i] = x[i];
     } else if constexpr (kMode == RowMode::kQuery) {
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) x[i] *= p.lambda[hc + i];
-      if (p.rotate) WarpRotateForward(x, lane, sign);
+      for (int i = 0; i < kPerLane; ++i) x[i] = __fmul_rn(x[i], factor[i]);  // ×λ, sign
+      if (p.rotate) WarpRotateForwardSigned(x, lane);
       StoreBf16(p.out_bf16 + row * p.out_stride + hc, x);
     } else {
-      if (which == 0) {
 #pragma unroll
-        for (int i = 0; i < kPerLane; ++i) x[i] = (x[i] - p.mu_k[hc + i]) / p.lambda[hc + i];
-      } else {
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i) x[i] = (x[i] - p.mu_v[hc + i]) / p.lambda_v[hc + i];
-      }
-      if (p.rotate) WarpRotateForward(x, lane, sign);
-      const uint64_t offset = (which == 0 ? p.k_offsets : p.v_offsets)[static_cast<int64_t>(head) * p.n_pages + page_index];
-      StorePageRow(x, lane, format, slot, p.kv_block + offset);
+      for (int i = 0; i < kPerLane; ++i) x[i] = DivideByReciprocal(x[i] - shift[i], factor[i], inv_factor[i]);
+      if (p.rotate) WarpRotateForwardSigned(x, lane);
+      page.Seek(p, head, which, token);
+      StorePageRow(x, lane, page.format, static_cast<int>(token - page.begin), page.base);
     }
   }
 }
 
 template <int kDim>
 Error LaunchForDim(RowMode mode, const RowEpilogueParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.n_rows + kTokensPerBlock - 1) / kTokensPerBlock));
+  const int columns = (mode == RowMode::kQuery ? 1 : 2) * p.n_heads;
+  const dim3 grid(static_cast<unsigned>((p.n_rows + kRowsPerWarp - 1) / kRowsPerWarp),
+                  static_cast<unsigned>((columns + kWarpsPerBlock - 1) / kWarpsPerBlock));
   const dim3 block(32 * kWarpsPerBlock);
   switch (mode) {
     case RowMode::kPackKv: RowEpilogueKernel<kDim, RowMode::kPackKv><<<grid, block, 0, stream>>>(p); break;

@@ -1,4 +1,5 @@
-// Row epilogues of the streamed projection: one warp per (token, head) row of a GEMM output.
+// Row epilogues of the streamed projection: each warp transforms one (q, k or v, head) column of a
+// GEMM output over a run of tokens.
 //
 //   kPackKv  bf16 [T, 2·H·d] (K | V)  → bias, QK-norm, RoPE (K), −μ, ÷λ (K) or ÷λ_v (V), R,
 //                                        quantize → pages

@@ -2,6 +2,9 @@
 // kPerLane = d/32 consecutive channels l·kPerLane … l·kPerLane + kPerLane − 1 in registers.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 #include "kernels/format.h"
@@ -29,21 +32,48 @@ __device__ __forceinline__ float WarpMin(float v) {
 
 __device__ __forceinline__ float Bf16Lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float Bf16Hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+// Two floats → bf16x2 (lo in the low half), round to nearest even: format.h's FloatToBf16 for every
+// finite value, in one instruction.
 __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  return static_cast<uint32_t>(FloatToBf16(lo)) | (static_cast<uint32_t>(FloatToBf16(hi)) << 16);
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// format.h's FloatToHalf / HalfToFloat for finite values, by the hardware conversions (HalfBits reads
+// the low 16 bits).
+__device__ __forceinline__ uint16_t FloatToHalfBits(float f) { return __half_as_ushort(__float2half_rn(f)); }
+__device__ __forceinline__ float HalfBits(uint32_t bits) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
 }
 
-// Loads kPerLane bf16 values (aligned to their size) as floats.
+// RN(a / b) given r = RN(1 / b): Markstein's correction, one product and two FMAs instead of a
+// division; equal to IEEE a / b wherever the quotient is a normal number.
+__device__ __forceinline__ float DivideByReciprocal(float a, float b, float r) {
+  const float q = __fmul_rn(a, r);
+  return __fmaf_rn(__fmaf_rn(-q, b, a), r, q);
+}
+
+// kPerLane bf16 values of one lane as loaded (aligned to their size): the loads go out first and the
+// conversion waits until the values are needed.
 template <int kPerLane>
-__device__ __forceinline__ void LoadBf16(const uint16_t* p, float (&x)[kPerLane]) {
+struct Bf16Lanes {
   static_assert(kPerLane == 2 || kPerLane == 4, "d = 64 or 128");
+  uint32_t w[kPerLane / 2];
+};
+template <int kPerLane>
+__device__ __forceinline__ Bf16Lanes<kPerLane> LoadBf16Lanes(const uint16_t* p) {
+  Bf16Lanes<kPerLane> v;
   if constexpr (kPerLane == 4) {
     const uint2 u = *reinterpret_cast<const uint2*>(p);
-    x[0] = Bf16Lo(u.x), x[1] = Bf16Hi(u.x), x[2] = Bf16Lo(u.y), x[3] = Bf16Hi(u.y);
+    v.w[0] = u.x, v.w[1] = u.y;
   } else {
-    const uint32_t u = *reinterpret_cast<const uint32_t*>(p);
-    x[0] = Bf16Lo(u), x[1] = Bf16Hi(u);
+    v.w[0] = *reinterpret_cast<const uint32_t*>(p);
   }
+  return v;
+}
+template <int kPerLane>
+__device__ __forceinline__ void UnpackBf16(const Bf16Lanes<kPerLane>& v, float (&x)[kPerLane]) {
+#pragma unroll
+  for (int i = 0; i < kPerLane / 2; ++i) x[2 * i] = Bf16Lo(v.w[i]), x[2 * i + 1] = Bf16Hi(v.w[i]);
 }
 
 template <int kPerLane>
@@ -73,11 +103,12 @@ __device__ __forceinline__ void WarpWalshHadamard(float (&x)[kPerLane], int lane
   }
 #pragma unroll
   for (int m = 1; m < 32; m <<= 1) {
-    const bool upper = (lane & m) != 0;
+    // The lower lane keeps a + b, the upper b − a: one FMA with a ±1 factor rounds as the add does.
+    const float own = (lane & m) != 0 ? -1.0f : 1.0f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const float other = __shfl_xor_sync(kFullMask, x[i], m);
-      x[i] = upper ? other - x[i] : x[i] + other;
+      x[i] = __fmaf_rn(own, x[i], other);
     }
   }
 }
@@ -89,12 +120,11 @@ __device__ __forceinline__ void LaneSigns(float (&sign)[kPerLane], int lane, uin
   for (int i = 0; i < kPerLane; ++i) sign[i] = RotationSign(seed, lane * kPerLane + i);
 }
 
-// x ← R · x (RotateForward), signs from LaneSigns.
+// x ← R · x (RotateForward) for a row already multiplied by its signs s (the row epilogue folds them
+// into its per-column factors): H · x / √d.
 template <int kPerLane>
-__device__ __forceinline__ void WarpRotateForward(float (&x)[kPerLane], int lane, const float (&sign)[kPerLane]) {
+__device__ __forceinline__ void WarpRotateForwardSigned(float (&x)[kPerLane], int lane) {
   constexpr int kDim = 32 * kPerLane;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) x[i] *= sign[i];
   WarpWalshHadamard(x, lane);
   const float norm = 1.0f / sqrtf(static_cast<float>(kDim));
 #pragma unroll

@@ -75,8 +75,8 @@ struct Int4RowBf16 {
 };
 __device__ __forceinline__ Int4RowBf16 Int4RowOf(uint32_t meta) {
   const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
-  const uint32_t scale_high = PackBf16x2(scale, scale), lo_high = PackBf16x2(lo, lo);
-  const uint32_t rests = PackBf16x2(scale - __uint_as_float(scale_high << 16), lo - __uint_as_float(lo_high << 16));
+  const uint32_t scale_high = PackBf16(scale, scale), lo_high = PackBf16(lo, lo);
+  const uint32_t rests = PackBf16(scale - __uint_as_float(scale_high << 16), lo - __uint_as_float(lo_high << 16));
   const uint32_t scale_rest = __byte_perm(rests, 0, 0x1010), lo_rest = __byte_perm(rests, 0, 0x3232);
   Int4RowBf16 row;
   row.scale_high = *reinterpret_cast<const __nv_bfloat162*>(&scale_high);
