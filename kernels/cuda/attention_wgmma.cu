@@ -36,10 +36,11 @@ struct WgmmaTraits {
   static constexpr int kConsumerGroups = 2;
   static constexpr int kGroupRows = 64;  // wgmma M
   static_assert(kConsumerGroups * kGroupRows == kTileQueries, "consumer groups cover the query tile");
-  // Two producer groups: each decodes one tile of every page (K, or V), so a scheduler holds two
-  // producer warps whose latencies hide each other's (with one, the producer limited the kernel).
+  // Two producer groups, so a scheduler holds two producer warps whose latencies hide each other's
+  // (with one, the producer limited the kernel); both decode half of each tile (DecodePage).
   static constexpr int kProducerGroups = 2;
   static constexpr int kProducerThreads = 128 * kProducerGroups;
+  static_assert(kProducerThreads == cuda::kProducerThreads, "DecodePage's thread layout");
   static constexpr int kThreads = kProducerThreads + 128 * kConsumerGroups;
   // Registers per thread after setmaxnreg: the decode needs few, the consumers' two S tiles, O and P
   // many: 256·56 + 256·200 = 65536, the register file (the launch's 512·128).

@@ -43,20 +43,28 @@ __device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, int byte
 }
 
 // ── The producer's decode ───────────────────────────────────────────────────────────────────────
-// Producer thread ptid owns, in every 64-row tile, rows ptid/8 + 16·k (k = 0…3) and, in each of the
-// kDim/64 column blocks, the 16-byte chunk ptid mod 8. Rows r and r + 16 share r mod 8, so every
-// swizzled address is a per-thread base plus compile-time steps; the two chunks of a row at d = 128
-// share its metadata; a quarter warp stores one row's eight chunks of a block (conflict-free).
-template <int kDim>
+// kThreads producer threads share a tile: thread ptid owns, in every 64-row tile, rows ptid/8 +
+// (kThreads/8)·k and, in each of the kDim/64 column blocks, the 16-byte chunk ptid mod 8. Rows r and
+// r + kThreads/8 share r mod 8, so every swizzled address is a per-thread base plus compile-time
+// steps; the two chunks of a row at d = 128 share its metadata; a quarter warp stores one row's eight
+// chunks of a block (conflict-free). INT4 and INT8 pages: all kProducerThreads threads decode both
+// tiles (with one group on K and one on V, the V group, whose INT4 decode does the arithmetic,
+// finished last on every page). BF16 pages, a copy: one group per tile (faster for the two-stage
+// kernel that BF16 pages take at d = 128).
+inline constexpr int kProducerThreads = 256;
+template <int kDimT, int kThreads = kProducerThreads>
 struct ProducerUnits {
-  static constexpr int kBlocks = kDim / 64;           // 64-channel column blocks of a tile
-  static constexpr int kRowSteps = kPageTokens / 16;  // rows per thread per tile
-  static constexpr int kRowStep = 16 * 128;           // tile bytes between rows r and r + 16
+  static constexpr int kDim = kDimT;
+  static constexpr int kBlocks = kDim / 64;                 // 64-channel column blocks of a tile
+  static constexpr int kRowsPerStep = kThreads / 8;         // rows covered by one step of all threads
+  static constexpr int kRowSteps = kPageTokens / kRowsPerStep;  // rows per thread per tile
+  static constexpr int kRowStep = kRowsPerStep * 128;       // tile bytes between rows r and r + step
   static constexpr int kBlockStep = kPageTokens * 128;
+  static_assert(kRowsPerStep % 8 == 0 && kPageTokens % kRowsPerStep == 0, "rows r, r + step share r mod 8");
   int row0, c8, tile_offset;
   __device__ explicit ProducerUnits(int ptid)
       : row0(ptid >> 3), c8(ptid & 7), tile_offset(SwizzledOffset<kPageTokens>(ptid >> 3, ptid & 7)) {}
-  __device__ int Row(int k) const { return row0 + 16 * k; }
+  __device__ int Row(int k) const { return row0 + kRowsPerStep * k; }
   __device__ int TileOffset(int k, int b) const { return tile_offset + k * kRowStep + b * kBlockStep; }
 };
 
@@ -111,68 +119,104 @@ __device__ __forceinline__ uint4 Int4Bf16Unit(uint32_t codes, const Int4RowBf16&
   return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
+// A thread's INT4 codes of one tile (rows Row(k), chunk c8 of each block), loaded before any store.
 template <int kDim>
-__device__ __forceinline__ void DecodeInt4VTile(const uint8_t* src, uint8_t* dst, const ProducerUnits<kDim>& u,
-                                                uint32_t exponent) {
+struct Int4Codes {
+  uint32_t w[ProducerUnits<kDim>::kRowSteps][ProducerUnits<kDim>::kBlocks];
+};
+template <int kDim>
+__device__ __forceinline__ Int4Codes<kDim> LoadInt4Codes(const uint8_t* src, const ProducerUnits<kDim>& u) {
   using U = ProducerUnits<kDim>;
-  uint32_t codes[U::kRowSteps][U::kBlocks], meta[U::kRowSteps];
-#pragma unroll
-  for (int k = 0; k < U::kRowSteps; ++k) {  // every load before the first store
-    meta[k] = *reinterpret_cast<const uint32_t*>(src + MetaOffset(PageFormat::kInt4, kDim) + u.Row(k) * 4);
-#pragma unroll
-    for (int b = 0; b < U::kBlocks; ++b) {
-      codes[k][b] = *reinterpret_cast<const uint32_t*>(src + u.Row(k) * (kDim / 2) + (b * 8 + u.c8) * 4);
-    }
-  }
+  Int4Codes<kDim> c;
 #pragma unroll
   for (int k = 0; k < U::kRowSteps; ++k) {
-    const Int4RowBf16 row = Int4RowOf(meta[k]);
 #pragma unroll
-    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(dst + u.TileOffset(k, b)) = Int4Bf16Unit(codes[k][b], row, exponent);
+    for (int b = 0; b < U::kBlocks; ++b) c.w[k][b] = *reinterpret_cast<const uint32_t*>(src + u.Row(k) * (kDim / 2) + (b * 8 + u.c8) * 4);
+  }
+  return c;
+}
+
+// An INT4 page pair: K → the bf16 of 128 + code (its rows' scale and lo go to the key table), V → lo +
+// code·scale in bf16x2 arithmetic. Every load (K codes, V codes, V metadata) goes out before the first
+// store, so a thread waits for shared memory once per page.
+template <int kDim>
+__device__ __forceinline__ void DecodeInt4Tiles(const uint8_t* k_src, const uint8_t* v_src, uint8_t* k_tile,
+                                                uint8_t* v_tile, const ProducerUnits<kDim>& u, uint32_t exponent) {
+  using U = ProducerUnits<kDim>;
+  const Int4Codes<kDim> k = LoadInt4Codes(k_src, u), v = LoadInt4Codes(v_src, u);
+  uint32_t v_meta[U::kRowSteps];
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+    v_meta[r] = *reinterpret_cast<const uint32_t*>(v_src + MetaOffset(PageFormat::kInt4, kDim) + u.Row(r) * 4);
+  }
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(k_tile + u.TileOffset(r, b)) = Int4CodesPlus128(k.w[r][b], exponent);
+  }
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+    const Int4RowBf16 row = Int4RowOf(v_meta[r]);
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(v_tile + u.TileOffset(r, b)) = Int4Bf16Unit(v.w[r][b], row, exponent);
   }
 }
 
-// An INT4 K page → the bf16 of 128 + code; its rows' scale and lo go to the key table instead.
-template <int kDim>
-__device__ __forceinline__ void Int4KCodesTile(const uint8_t* src, uint8_t* dst, const ProducerUnits<kDim>& u,
-                                               uint32_t exponent) {
-  using U = ProducerUnits<kDim>;
-  uint32_t codes[U::kRowSteps][U::kBlocks];
-#pragma unroll
-  for (int k = 0; k < U::kRowSteps; ++k) {
-#pragma unroll
-    for (int b = 0; b < U::kBlocks; ++b) {
-      codes[k][b] = *reinterpret_cast<const uint32_t*>(src + u.Row(k) * (kDim / 2) + (b * 8 + u.c8) * 4);
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < U::kRowSteps; ++k) {
-#pragma unroll
-    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(dst + u.TileOffset(k, b)) = Int4CodesPlus128(codes[k][b], exponent);
-  }
-}
-
-// INT8 / BF16 pages: format.h's exact fp32 decode (attention_device.cuh), in the same
-// thread layout.
+// INT8 page pairs: format.h's exact fp32 decode (attention_device.cuh), K's and V's loads before the
+// stores.
 template <PageFormat F, int kDim>
-__device__ __forceinline__ void DecodeTile(const uint8_t* src, uint8_t* dst, const ProducerUnits<kDim>& u) {
+__device__ __forceinline__ void DecodeTiles(const uint8_t* k_src, const uint8_t* v_src, uint8_t* k_tile, uint8_t* v_tile,
+                                            const ProducerUnits<kDim>& u) {
   using U = ProducerUnits<kDim>;
-  RawUnit<F> units[U::kRowSteps][U::kBlocks];
+  RawUnit<F> k[U::kRowSteps][U::kBlocks], v[U::kRowSteps][U::kBlocks];
 #pragma unroll
-  for (int k = 0; k < U::kRowSteps; ++k) {
+  for (int r = 0; r < U::kRowSteps; ++r) {
 #pragma unroll
-    for (int b = 0; b < U::kBlocks; ++b) units[k][b] = LoadUnit<F, kDim>(src, u.Row(k), b * 8 + u.c8);
+    for (int b = 0; b < U::kBlocks; ++b) {
+      k[r][b] = LoadUnit<F, kDim>(k_src, u.Row(r), b * 8 + u.c8);
+      v[r][b] = LoadUnit<F, kDim>(v_src, u.Row(r), b * 8 + u.c8);
+    }
   }
 #pragma unroll
-  for (int k = 0; k < U::kRowSteps; ++k) {
+  for (int r = 0; r < U::kRowSteps; ++r) {
 #pragma unroll
-    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(dst + u.TileOffset(k, b)) = ConvertUnit<F>(units[k][b]);
+    for (int b = 0; b < U::kBlocks; ++b) {
+      *reinterpret_cast<uint4*>(k_tile + u.TileOffset(r, b)) = ConvertUnit<F>(k[r][b]);
+      *reinterpret_cast<uint4*>(v_tile + u.TileOffset(r, b)) = ConvertUnit<F>(v[r][b]);
+    }
   }
 }
 
-// One page: raw K and V (K at `stage`, V at stage + v_offset) → the swizzled bf16 K and V tiles.
-// Producer thread ptid of 256: threads 0…127 decode K (and write the key table), 128…255 V. Rows at
-// or past n_valid are zeroed afterwards (their bytes may decode to anything finite or not).
+// One tile of a BF16 page, by one group's units.
+template <class U>
+__device__ __forceinline__ void CopyBf16Tile(const uint8_t* src, uint8_t* tile, const U& u) {
+  RawUnit<PageFormat::kBf16> raw[U::kRowSteps][U::kBlocks];
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) raw[r][b] = LoadUnit<PageFormat::kBf16, U::kDim>(src, u.Row(r), b * 8 + u.c8);
+  }
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(tile + u.TileOffset(r, b)) = ConvertUnit<PageFormat::kBf16>(raw[r][b]);
+  }
+}
+
+// Zeroes a thread's rows at or past n_valid of a tile.
+template <class U>
+__device__ __forceinline__ void ZeroRowsPast(int n_valid, uint8_t* tile, const U& u) {
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+    if (u.Row(r) < n_valid) continue;
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(tile + u.TileOffset(r, b)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// One page: raw K and V (K at `stage`, V at stage + v_offset) → the swizzled bf16 K and V tiles, by
+// the kProducerThreads producer threads (ptid). Rows at or past n_valid are zeroed afterwards (their
+// bytes may decode to anything finite or not).
 //
 // The key table: logit(q_i, key j)·log2(e)·softmax_scale = a_j·S'_ij + b_j·Σq_i, where S' = Q·Kᵀ over the
 // K tile as stored. INT4 K tiles hold 128 + code, so with k̂ = lo + code·scale (exact, no rounding):
@@ -183,39 +227,31 @@ __device__ __forceinline__ void DecodePage(const PageDesc& page, const uint8_t* 
                                            uint8_t* v_tile, float2* keys, float scale_log2, uint32_t exponent,
                                            int ptid) {
   const PageFormat format = static_cast<PageFormat>(page.format);
-  const bool is_k = ptid < 128;
-  const ProducerUnits<kDim> u(ptid & 127);
-  uint8_t* tile = is_k ? k_tile : v_tile;
-  if (is_k) {
-    if (ptid < kPageTokens) {
-      float2 key = make_float2(scale_log2, 0.0f);
-      if (format == PageFormat::kInt4) {
-        const uint32_t meta = *reinterpret_cast<const uint32_t*>(stage + MetaOffset(PageFormat::kInt4, kDim) + ptid * 4);
-        const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
-        key = make_float2(scale * scale_log2, fmaf(-128.0f, scale, lo) * scale_log2);
-      }
-      keys[ptid] = key;
+  const ProducerUnits<kDim> u(ptid);
+  if (ptid < kPageTokens) {
+    float2 key = make_float2(scale_log2, 0.0f);
+    if (format == PageFormat::kInt4) {
+      const uint32_t meta = *reinterpret_cast<const uint32_t*>(stage + MetaOffset(PageFormat::kInt4, kDim) + ptid * 4);
+      const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
+      key = make_float2(scale * scale_log2, fmaf(-128.0f, scale, lo) * scale_log2);
     }
-    switch (format) {
-      case PageFormat::kInt4: Int4KCodesTile<kDim>(stage, tile, u, exponent); break;
-      case PageFormat::kInt8: DecodeTile<PageFormat::kInt8, kDim>(stage, tile, u); break;
-      default: DecodeTile<PageFormat::kBf16, kDim>(stage, tile, u); break;
-    }
+    keys[ptid] = key;
+  }
+  if (format == PageFormat::kBf16) {
+    using Half = ProducerUnits<kDim, kProducerThreads / 2>;
+    const bool is_k = ptid < kProducerThreads / 2;
+    const Half half(ptid % (kProducerThreads / 2));
+    uint8_t* tile = is_k ? k_tile : v_tile;
+    CopyBf16Tile(is_k ? stage : stage + v_offset, tile, half);
+    if (page.n_valid < kPageTokens) ZeroRowsPast(page.n_valid, tile, half);
+    return;
+  }
+  if (format == PageFormat::kInt4) {
+    DecodeInt4Tiles<kDim>(stage, stage + v_offset, k_tile, v_tile, u, exponent);
   } else {
-    switch (format) {
-      case PageFormat::kInt4: DecodeInt4VTile<kDim>(stage + v_offset, tile, u, exponent); break;
-      case PageFormat::kInt8: DecodeTile<PageFormat::kInt8, kDim>(stage + v_offset, tile, u); break;
-      default: DecodeTile<PageFormat::kBf16, kDim>(stage + v_offset, tile, u); break;
-    }
+    DecodeTiles<PageFormat::kInt8, kDim>(stage, stage + v_offset, k_tile, v_tile, u);
   }
-  if (page.n_valid < kPageTokens) {
-#pragma unroll
-    for (int k = 0; k < ProducerUnits<kDim>::kRowSteps; ++k) {
-      if (u.Row(k) < page.n_valid) continue;
-#pragma unroll
-      for (int b = 0; b < ProducerUnits<kDim>::kBlocks; ++b) *reinterpret_cast<uint4*>(tile + u.TileOffset(k, b)) = make_uint4(0, 0, 0, 0);
-    }
-  }
+  if (page.n_valid < kPageTokens) ZeroRowsPast(page.n_valid, k_tile, u), ZeroRowsPast(page.n_valid, v_tile, u);
 }
 
 // Where one page's bytes are, read from global memory one page before its copy is issued so that the
