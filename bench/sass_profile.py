@@ -34,6 +34,19 @@ def main():
     totals = Counter({s[6:]: sum(num(r, s) for r in data) for s in stalls})
     all_samples = sum(totals.values()) or 1
     print("stall samples: " + ", ".join(f"{s} {100 * n / all_samples:.1f}%" for s, n in totals.most_common(10)))
+    # Regions by setmaxnreg, in address order: the code after each USETMAXREG runs under its register
+    # count, so the highest register it names must stay below that count (else the kernel is wrong).
+    region, regions = "entry", {}
+    for r in data:
+        src = r[col["Source"]]
+        if "SETMAXREG" in src:
+            region = src.strip().split(" ")[0] + " " + src.strip().split(" ")[-1]
+        reg = max((int(x) for x in re.findall(r"\bR(\d+)\b", src)), default=-1)
+        info = regions.setdefault(region, [0, -1])
+        info[0] += num(r, "Instructions Executed") / per_page
+        info[1] = max(info[1], reg)
+    for name, (n, reg) in regions.items():
+        print(f"region {name}: {n:.0f} warp instructions per CTA-page, highest register R{reg}")
     print(f"hottest {args.top} sites (samples, executions per CTA-page, top reasons):")
     hot = sorted(data, key=lambda r: -num(r, "Warp Stall Sampling (All Samples)"))[: args.top]
     for r in hot:
