@@ -1,6 +1,7 @@
 #include "kernels/cuda/attention.h"
 
 #include <climits>
+#include <numeric>
 #include <string>
 
 #include "kernels/cuda/cuda_status.h"
@@ -276,6 +277,15 @@ Error Launch(const AttentionParams& p, cudaStream_t stream) {
   return Error::Ok();
 }
 
+template <int kDim, int kWarps, int kMTiles>
+Error CtasPerSm(const AttentionParams& p, int* ctas) {
+  using T = AttentionTraits<kDim, kWarps, kMTiles>;
+  KVPACK_RETURN_IF_ERROR((PrepareKernel<kDim, kWarps, kMTiles>(p.max_page_bytes)));
+  KVPACK_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      ctas, AttentionKernel<kDim, kWarps, kMTiles>, T::kThreads, DynamicSmem<kDim, kWarps, kMTiles>(p.max_page_bytes)));
+  return Error::Ok();
+}
+
 // kAuto: the wgmma kernel for every format and head_dim (one CTA of at most ~207 KB of shared
 // memory, BF16 pages at d = 128, always fits an H200 SM); it is the fastest in every measured case.
 AttentionTilingChoice Resolve() { return AttentionTilingChoice::kWgmma; }
@@ -289,6 +299,15 @@ Error LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
     case AttentionTilingChoice::kWide: return Launch<kDim, 8, 1>(p, stream);
     case AttentionTilingChoice::kWgmma: return LaunchAttentionWgmma(p, stream);
     default: return Launch<kDim, 4, 2>(p, stream);
+  }
+}
+
+template <int kDim>
+Error CtasPerSmForDim(const AttentionParams& p, int* ctas) {
+  switch (p.tiling == AttentionTilingChoice::kAuto ? Resolve() : p.tiling) {
+    case AttentionTilingChoice::kWide: return CtasPerSm<kDim, 8, 1>(p, ctas);
+    case AttentionTilingChoice::kWgmma: return AttentionWgmmaCtasPerSm(p, ctas);
+    default: return CtasPerSm<kDim, 4, 2>(p, ctas);
   }
 }
 
@@ -325,6 +344,19 @@ Error LaunchAttention(const AttentionParams& params, cudaStream_t stream) {
   KVPACK_RETURN_IF_ERROR(AttentionSupported(params.kv));
   if (params.n_q == 0) return Error::Ok();
   return params.kv.head_dim == 128 ? LaunchForDim<128>(params, stream) : LaunchForDim<64>(params, stream);
+}
+
+Error AttentionWaveRows(const AttentionParams& params, int64_t* rows) {
+  KVPACK_RETURN_IF_ERROR(AttentionSupported(params.kv));
+  int device = 0, sms = 0, ctas = 0;
+  KVPACK_CUDA_RETURN(cudaGetDevice(&device));
+  KVPACK_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  KVPACK_RETURN_IF_ERROR(params.kv.head_dim == 128 ? CtasPerSmForDim<128>(params, &ctas)
+                                                   : CtasPerSmForDim<64>(params, &ctas));
+  if (ctas <= 0) return Error(ErrorCode::kInternal, "attention: the kernel fits no CTA on an SM");
+  const int64_t resident = static_cast<int64_t>(sms) * ctas;
+  *rows = resident / std::gcd(resident, static_cast<int64_t>(params.kv.n_heads)) * kTileQueries;
+  return Error::Ok();
 }
 
 }  // namespace kvpack::cuda

@@ -60,4 +60,10 @@ int AttentionSharedBytes(int head_dim, int max_page_bytes, AttentionTilingChoice
 Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved);
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream);
 
+// Query rows whose launches fill whole waves of the GPU: a launch runs ⌈n_q / kTileQueries⌉ · heads
+// CTAs, of which SMs × (CTAs per SM of the kernel `params` resolves to) run at once, so a multiple of
+// these rows leaves no wave part-empty (H200, wgmma, 56 heads: 33 tiles = 4224 rows, 14 waves; 4096
+// rows are 13.6 waves, the last 58% idle). Every CTA of a dense launch takes about equally long.
+Error AttentionWaveRows(const AttentionParams& params, int64_t* rows);
+
 }  // namespace kvpack::cuda

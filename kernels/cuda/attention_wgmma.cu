@@ -452,6 +452,16 @@ int Stages(int max_page_bytes) {
 }
 
 template <int kDim, int kStages>
+Error CtasPerSm(const AttentionParams& p, int* ctas) {
+  using T = WgmmaTraits<kDim, kStages>;
+  const int smem = DynamicSmem<kDim, kStages>(p.max_page_bytes);
+  auto kernel = AttentionWgmmaKernel<kDim, kStages>;
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  KVPACK_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, kernel, T::kThreads, smem));
+  return Error::Ok();
+}
+
+template <int kDim, int kStages>
 Error Launch(const AttentionParams& p, cudaStream_t stream) {
   using T = WgmmaTraits<kDim, kStages>;
   const int smem = DynamicSmem<kDim, kStages>(p.max_page_bytes);
@@ -481,6 +491,13 @@ int AttentionWgmmaSharedBytes(int head_dim, int max_page_bytes) {
 
 Error LaunchAttentionWgmma(const AttentionParams& params, cudaStream_t stream) {
   return params.kv.head_dim == 128 ? LaunchForDim<128>(params, stream) : LaunchForDim<64>(params, stream);
+}
+
+Error AttentionWgmmaCtasPerSm(const AttentionParams& p, int* ctas) {
+  const bool deep = p.kv.head_dim == 128 ? Stages<128>(p.max_page_bytes) == kDeepStages
+                                         : Stages<64>(p.max_page_bytes) == kDeepStages;
+  if (p.kv.head_dim == 128) return deep ? CtasPerSm<128, kDeepStages>(p, ctas) : CtasPerSm<128, 2>(p, ctas);
+  return deep ? CtasPerSm<64, kDeepStages>(p, ctas) : CtasPerSm<64, 2>(p, ctas);
 }
 
 }  // namespace kvpack::cuda

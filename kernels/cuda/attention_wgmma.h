@@ -14,5 +14,7 @@ namespace kvpack::cuda {
 int AttentionWgmmaSharedBytes(int head_dim, int max_page_bytes);
 // REQUIRES: AttentionSupported(params.kv).ok(), params.n_q > 0.
 Error LaunchAttentionWgmma(const AttentionParams& params, cudaStream_t stream);
+// CTAs of the kernel LaunchAttentionWgmma would run for `params` that one SM holds at once.
+Error AttentionWgmmaCtasPerSm(const AttentionParams& params, int* ctas);
 
 }  // namespace kvpack::cuda

@@ -312,7 +312,10 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
   a.max_page_bytes = MaxPageBytes(c);
   a.tiling = ctx.attention_tiling;
 
-  const int64_t tq = QueryRows(c);
+  // Launches of whole waves where the chunk holds one (the Q buffer is sized for QueryRows).
+  int64_t tq = QueryRows(c), wave_rows = 0;
+  KVPACK_RETURN_IF_ERROR(AttentionWaveRows(a, &wave_rows));
+  if (tq >= wave_rows) tq -= tq % wave_rows;
   for (int64_t q0 = 0; q0 < n; q0 += tq) {
     KVPACK_RETURN_IF_ERROR(PassGate(gate));
     const int64_t rows = std::min(tq, n - q0);

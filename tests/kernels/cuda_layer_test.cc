@@ -425,5 +425,26 @@ TEST(CudaLayer, Int4ThreeSequencesNonCausal) {
   RunCaseEachKernel(c);
 }
 
+// A query chunk of at least one whole wave of CTAs runs as whole waves (AttentionWaveRows): a chunk of
+// wave + 100 rows becomes launches of `wave` rows and of the rest.
+TEST(CudaLayer, QueryChunksRunAsWholeWaves) {
+  SKIP_WITHOUT_GPU();
+  AttentionParams a;
+  a.kv.n_heads = 4, a.kv.head_dim = 64, a.kv.n_pages = 1;
+  a.max_page_bytes = PageBytes(PageFormat::kInt4, 64);
+  int64_t wave = 0;
+  ASSERT_OK(AttentionWaveRows(a, &wave));
+  int device = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  EXPECT_EQ(wave % kTileQueries, 0);
+  EXPECT_EQ(wave / kTileQueries * a.kv.n_heads % sms, 0) << "one wgmma CTA per SM";
+  EXPECT_LE(wave, static_cast<int64_t>(sms) * kTileQueries);
+  Case c{"int4 whole waves d=64", wave + 777, 256, 4, 64, {{0, wave + 777, 0, PageFormat::kInt4}}};
+  c.query_chunk = wave + 100;
+  c.seed = 18;
+  RunCase(c);
+}
+
 }  // namespace
 }  // namespace kvpack::cuda
