@@ -1,17 +1,21 @@
 // Attention over packed pages on Hopper's asynchronous warp-group MMA (wgmma, sm_90a), warp-specialised.
 //
 // A CTA of four warp groups takes one tile of kTileQueries = 128 query rows of one head:
-//   warp groups 0 and 1, the producers (48 registers each after setmaxnreg): cp.async the raw bytes
-//     of the visible pages into a ring of kRawStages stages; group 0 turns each page's K into a bf16
-//     tile (INT4: the codes + 128, with each key's scale and lo in a key table; INT8, BF16: the
-//     values) and group 1 decodes V (INT4 in bf16x2 arithmetic), into a ring of kStages tiles laid
-//     out as wgmma reads them (128-byte swizzle);
-//   warp groups 2 and 3, the consumers (208 registers), 64 query rows each: S = Q·Kᵀ (wgmma, Q and K
+//   warp groups 0 and 1, the producers (56 registers each after setmaxnreg): bulk-copy the raw bytes
+//     of the visible pages into a ring of kRawStages stages and decode each page's K and V into a
+//     ring of kStages bf16 tiles laid out as wgmma reads them (128-byte swizzle): INT4 K as the codes
+//     + 128 with each key's scale and lo in a key table, INT4 V in bf16x2 arithmetic, INT8 and BF16
+//     exactly (wgmma_pages.cuh);
+//   warp groups 2 and 3, the consumers (200 registers), 64 query rows each: S = Q·Kᵀ (wgmma, Q and K
 //     from shared memory), logits from S and the key table, masks and the online softmax in
 //     registers, O += P·V (wgmma, P from registers, V from shared memory), then the epilogue of
-//     attention_device.cuh (Rᵀ, +μ_v, bf16 store). S of the next page runs under the softmax.
-// Named barriers hand the tiles over: kFullBar + s (producers arrive, consumers wait) and kEmptyBar + s
-// (consumers arrive, producers wait). bench/RESULTS.md has the measurements behind each choice.
+//     attention_device.cuh (Rᵀ, +μ_v, bf16 store). With the deep ring a group issues S of the next
+//     page and P·V of this one together and computes the next softmax under them, the two groups
+//     taking turns to issue (kTurnBar), so that one's softmax runs under the other's MMAs.
+// The tiles change hands through tile_full[s] (an mbarrier: every producer thread arrives, each consumer
+// waits on its own, so the consumer groups never wait for each other) and the named barrier
+// kEmptyBar + s (consumers arrive, producers wait); kTurnBar + c orders the consumer groups' MMA issues.
+// bench/RESULTS.md has the measurements behind each choice.
 #include "kernels/cuda/attention_wgmma.h"
 
 #include <string>
@@ -62,9 +66,9 @@ struct WgmmaTraits {
   static constexpr int kWindow = 3072;  // pages examined per visibility pass
   // Named barriers (0 is __syncthreads).
   static constexpr int kProducerBar = 1;
-  static constexpr int kFullBar = 2;
-  static constexpr int kEmptyBar = kFullBar + kStages;
-  static_assert(kEmptyBar + kStages <= 16, "16 hardware barriers");
+  static constexpr int kEmptyBar = 2;
+  static constexpr int kTurnBar = kEmptyBar + kStages;  // + c: consumer group c may issue its MMAs
+  static_assert(kTurnBar + kConsumerGroups <= 16, "16 hardware barriers");
 };
 
 // ── wgmma wrappers ──────────────────────────────────────────────────────────────────────────────
@@ -170,6 +174,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
   __shared__ VisibleScratch<T::kThreads, T::kWindow> scratch;
   __shared__ PageDesc raw_desc[T::kRawStages], tile_desc[T::kStages];
   __shared__ uint64_t raw_full[T::kRawStages];  // mbarriers: raw stage filled
+  __shared__ uint64_t tile_full[T::kStages];    // mbarriers: decoded stage filled (every producer arrives)
   __shared__ uint32_t bf16_exponent;             // kBf16Exponent, see Int4CodesPlus128
   __shared__ float4 key_table[T::kStages][kPageTokens / 2];  // (a_j, b_j, a_j+1, b_j+1): DecodePage
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
@@ -194,6 +199,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
   if (tid == 0) {
     bf16_exponent = kBf16Exponent;
     for (int st = 0; st < T::kRawStages; ++st) MbarInit(SmemAddr(&raw_full[st]), 1);
+    for (int st = 0; st < T::kStages; ++st) MbarInit(SmemAddr(&tile_full[st]), T::kProducerThreads);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   FenceProxyAsync();
@@ -240,7 +246,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
                            reinterpret_cast<float2*>(key_table[s]), scale_log2, exponent, tid);
           if (tid == 0) tile_desc[s] = page;
           FenceProxyAsync();
-          BarArrive(T::kFullBar + s, T::kThreads);
+          MbarArrive(SmemAddr(&tile_full[s]));
         }
       }
       __syncthreads();  // the consumers are done with the tiles before the next window
@@ -274,25 +280,27 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
     sum += __shfl_xor_sync(kFullMask, sum, 1);
     q_sum[r] = sum + __shfl_xor_sync(kFullMask, sum, 2);
   }
+  uint32_t full_phase = 0;  // bit s: the parity of tile_full[s]'s next completion
   for (int w0 = 0; w0 < n_pages; w0 += T::kWindow) {
     const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
     const int n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
     if (n_visible > 0) {
-      // Consumers. S(i+1) is issued before the softmax of page i, so that the tensor cores compute it
-      // while this group works on page i, and P(i)·V runs on under the softmax of page i + 1. Two S
-      // accumulators alternate (the loop is unrolled by two so that they stay registers). Descriptors
-      // step by adding (byte offset >> 4) to their address field: shared addresses stay below 2^18,
-      // so the 14-bit field never carries.
+      // Consumers. Descriptors step by adding (byte offset >> 4) to their address field: shared
+      // addresses stay below 2^18, so the 14-bit field never carries.
       const uint64_t q_desc = Desc(SmemAddr(smem + consumer * (T::kQBytes / 2)), 16, 1024);
-      float s_even[8][4], s_odd[8][4];  // S rows (g, g+8) × keys (n·8 + 2t, +1) of pages 2j and 2j + 1
-      uint32_t a[4][4];                 // P as the A fragments of the four 16-key steps of P·V
+      float s_cur[8][4];  // S rows (g, g+8) × keys (n·8 + 2t, +1)
+      uint32_t a[4][4];   // P as the A fragments of the four 16-key steps of P·V
       // S[64 × 64] = Q[64 × d] · Kᵀ[d × 64] of visible page i, once the producer has filled its stage;
       // k-step kc reads 32 bytes into a 128-byte swizzled row.
       // `wait` = false re-issues a page the group already holds (the last page's S(i+1): a wasted
       // 1/n_visible of the MMAs, so that no wgmma sits in a branch, which would serialise them all).
       auto issue_s = [&](float (&sc)[8][4], int i, bool wait) {
         const uint64_t k_desc = Desc(SmemAddr(smem + T::kKOffset + (i % T::kStages) * T::kTileBytes), 16, 1024);
-        if (wait) BarSync(T::kFullBar + i % T::kStages, T::kThreads);
+        if (wait) {
+          const int s = i % T::kStages;
+          MbarWait(SmemAddr(&tile_full[s]), (full_phase >> s) & 1u);
+          full_phase ^= 1u << s;
+        }
         FenceRegs(sc);
         WgmmaFence();
 #pragma unroll
@@ -302,36 +310,15 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
         }
         WgmmaCommit();
       };
-      // Every MMA of the group is complete: O may be rescaled, P's registers rewritten, S(i+1) read, and
-      // page i − 1 handed back to the producer.
-      auto retire_previous = [&](int i, float (&s_next)[8][4]) {
-        WgmmaWait<0>();
-        FenceRegs(o);
-        FenceRegs(s_next);
+      // Logits of page i from S and the key table (S holds Q·Kᵀ over the tile as stored), masks and the
+      // online softmax (log2 domain, rows g and g + 8): sc becomes P, unrounded; corr rescales O.
+      // The key table of page i (keys n·8 + 2t and + 1), read ahead of the S wait.
+      auto load_keys = [&](float4 (&keys)[8], int i) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[kk][e])::"memory");
-        }
-        if (i > 0 && i - 1 + T::kStages < n_visible) BarArrive(T::kEmptyBar + (i - 1) % T::kStages, T::kThreads);
+        for (int n = 0; n < 8; ++n) keys[n] = key_table[i % T::kStages][n * 4 + t];
       };
-      // With four stages S(i+1) runs under the softmax of page i and P(i)·V under the next page's.
-      // With two, the producer needs page i − 1's stage back before it can fill page i + 1's, so every
-      // MMA is waited for first and S(i+1) goes in behind P(i)·V (ptxas serialises the wgmmas if O is
-      // rescaled while S(i+1) runs). A wait for all MMAs where only P(i−1)·V is needed costs little:
-      // the tensor cores run a group's MMAs in order, so S(i+1) is done before P(i)·V starts.
-      constexpr bool kRetireFirst = T::kStages < 3;
-      auto step = [&](int i, float (&sc)[8][4], float (&s_next)[8][4]) {
-        const int s = i % T::kStages;
-        const bool more = i + 1 < n_visible;
-        float4 keys[8];  // keys n·8 + 2t and + 1: read early, they are used right after the S wait
-#pragma unroll
-        for (int n = 0; n < 8; ++n) keys[n] = key_table[s][n * 4 + t];
-        if (kRetireFirst) retire_previous(i, sc);
-        if (!kRetireFirst) issue_s(s_next, more ? i + 1 : i, more);
-        const PageDesc page = tile_desc[s];
-
-        // Logits in the log2 domain from the key table (S holds Q·Kᵀ over the tile as stored).
+      auto softmax = [&](float (&sc)[8][4], const float4 (&keys)[8], int i, float (&corr)[2]) {
+        const PageDesc page = tile_desc[i % T::kStages];
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
 #pragma unroll
@@ -340,7 +327,6 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
             sc[n][e] = fmaf(sc[n][e], a_j, q_sum[e >> 1] * b_j);
           }
         }
-
         // Masks: invalid slots, other sequences, future keys (causal).
         const bool need_mask = page.n_valid < kPageTokens || runs.n > 1 ||
                                (p.causal && page.token_begin + page.n_valid - 1 > t0);
@@ -357,9 +343,6 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
             }
           }
         }
-
-        // Online softmax (log2 domain), rows g and g + 8.
-        float corr[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           float mx = -INFINITY;
@@ -381,15 +364,17 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
             }
           }
         }
-        if (!kRetireFirst) retire_previous(i, s_next);
-        // O is rescaled only when some row of the warp has a new maximum (after the first pages almost
-        // never; ×1 would change no bit).
+      };
+      // O is rescaled only when some row of the warp has a new maximum (after the first pages almost
+      // never; ×1 would change no bit).
+      auto rescale_o = [&](const float (&corr)[2]) {
         if (__any_sync(kFullMask, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
           for (int n = 0; n < kONTiles; ++n) o[n][0] *= corr[0], o[n][1] *= corr[0], o[n][2] *= corr[1], o[n][3] *= corr[1];
         }
-
-        // O[64 × d] += P[64 × 64] · V[64 × d]: k-step kk takes keys kk·16 … +15 (two 8-key row groups).
+      };
+      // P as bf16 A fragments: k-step kk of P·V takes keys kk·16 … +15 (two 8-key row groups).
+      auto pack_p = [&](const float (&sc)[8][4]) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           a[kk][0] = PackBf16(sc[2 * kk][0], sc[2 * kk][1]);
@@ -397,23 +382,88 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
           a[kk][2] = PackBf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
           a[kk][3] = PackBf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
         }
-        const uint64_t v_desc = Desc(SmemAddr(smem + T::kVOffset + s * T::kTileBytes), kPageTokens * 128, 1024);
+      };
+      // O[64 × d] += P[64 × 64] · V[64 × d] of page i, one commit group.
+      auto issue_pv = [&](int i) {
+        const uint64_t v_desc = Desc(SmemAddr(smem + T::kVOffset + (i % T::kStages) * T::kTileBytes), kPageTokens * 128, 1024);
         FenceRegs(o);
         WgmmaFence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) WgmmaRS(o, a[kk], v_desc + kk * (2048 >> 4));
         WgmmaCommit();
-        if (kRetireFirst && more) issue_s(s_next, i + 1, true);
       };
-      issue_s(s_even, 0, true);
-      WgmmaWait<0>();
-      FenceRegs(s_even);
-      int i = 0;
-      for (; i + 1 < n_visible; i += 2) {
-        step(i, s_even, s_odd);
-        step(i + 1, s_odd, s_even);
+      auto fence_p = [&] {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[kk][e])::"memory");
+        }
+      };
+
+      if constexpr (T::kStages >= 3) {
+        // Deep ring: at the top of step i, P(i) is in `a` and O is scaled to page i's row maxima. The
+        // group issues S(i+1) and P(i)·V back to back, then computes the softmax of page i + 1 while
+        // P(i)·V runs. The two consumer groups take turns to issue (kTurnBar), so that one group's
+        // softmax runs while the other's MMAs occupy the tensor cores (FlashAttention-3's ping-pong).
+        const int turn = T::kTurnBar + consumer, other_turn = T::kTurnBar + (consumer ^ 1);
+        float (&sc)[8][4] = s_cur;
+        float corr[2];
+        float4 keys[8];
+        issue_s(sc, 0, true);
+        load_keys(keys, 0);
+        WgmmaWait<0>();
+        FenceRegs(sc);
+        softmax(sc, keys, 0, corr);
+        pack_p(sc);
+        if (consumer == 1) BarArrive(T::kTurnBar, 2 * 128);  // group 0 issues first
+        for (int i = 0; i < n_visible; ++i) {
+          const bool more = i + 1 < n_visible;
+          BarSync(turn, 2 * 128);
+          issue_s(sc, more ? i + 1 : i, more);
+          issue_pv(i);
+          if (consumer == 0 || more) BarArrive(other_turn, 2 * 128);
+          load_keys(keys, more ? i + 1 : i);
+          WgmmaWait<1>();
+          FenceRegs(sc);
+          if (more) softmax(sc, keys, i + 1, corr);
+          WgmmaWait<0>();
+          FenceRegs(o);
+          fence_p();
+          if (i + T::kStages < n_visible) BarArrive(T::kEmptyBar + i % T::kStages, T::kThreads);
+          if (more) {
+            rescale_o(corr);
+            pack_p(sc);
+          }
+        }
+      } else {
+        // Two stages: the producer needs page i − 1's stage back before it can fill page i + 1's, so
+        // every MMA is waited for first (which hands page i − 1 back), the softmax of page i runs while
+        // the producer decodes page i + 1, and S(i+1) goes in behind P(i)·V. (A wait for all MMAs where
+        // only P(i−1)·V is needed costs little: a group's MMAs run in order.)
+        auto step = [&](int i, float (&sc)[8][4], float (&s_next)[8][4]) {
+          float4 keys[8];
+          load_keys(keys, i);
+          WgmmaWait<0>();
+          FenceRegs(o);
+          FenceRegs(sc);
+          fence_p();
+          if (i > 0 && i - 1 + T::kStages < n_visible) BarArrive(T::kEmptyBar + (i - 1) % T::kStages, T::kThreads);
+          float corr[2];
+          softmax(sc, keys, i, corr);
+          rescale_o(corr);
+          pack_p(sc);
+          issue_pv(i);
+          if (i + 1 < n_visible) issue_s(s_next, i + 1, true);
+        };
+        float s_next[8][4];  // the two S tiles alternate (unrolled by two, so that they stay registers)
+        issue_s(s_cur, 0, true);
+        int i = 0;
+        for (; i + 1 < n_visible; i += 2) {
+          step(i, s_cur, s_next);
+          step(i + 1, s_next, s_cur);
+        }
+        if (i < n_visible) step(i, s_cur, s_next);
       }
-      if (i < n_visible) step(i, s_even, s_odd);
       WgmmaWait<0>();
       FenceRegs(o);
     }
