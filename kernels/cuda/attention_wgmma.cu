@@ -19,6 +19,7 @@
 #include "kernels/cuda/attention_wgmma.h"
 
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/attention_device.cuh"
 #include "kernels/cuda/wgmma_pages.cuh"
@@ -46,7 +47,7 @@ struct WgmmaTraits {
   static constexpr int kProducerThreads = 128 * kProducerGroups;
   static_assert(kProducerThreads == cuda::kProducerThreads, "DecodePage's thread layout");
   static constexpr int kThreads = kProducerThreads + 128 * kConsumerGroups;
-  // Registers per thread after setmaxnreg: the decode needs few, the consumers' two S tiles, O and P
+  // Registers per thread after setmaxnreg: the decode needs few, the consumers' S tiles, O and P
   // many: 256·56 + 256·200 = 65536, the register file (the launch's 512·128).
   static constexpr int kProducerRegisters = 56;
   static constexpr int kConsumerRegisters = 200;
@@ -310,13 +311,13 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
         }
         WgmmaCommit();
       };
-      // Logits of page i from S and the key table (S holds Q·Kᵀ over the tile as stored), masks and the
-      // online softmax (log2 domain, rows g and g + 8): sc becomes P, unrounded; corr rescales O.
       // The key table of page i (keys n·8 + 2t and + 1), read ahead of the S wait.
       auto load_keys = [&](float4 (&keys)[8], int i) {
 #pragma unroll
         for (int n = 0; n < 8; ++n) keys[n] = key_table[i % T::kStages][n * 4 + t];
       };
+      // Logits of page i from S and the key table (S holds Q·Kᵀ over the tile as stored), masks and the
+      // online softmax (log2 domain, rows g and g + 8): sc becomes P, unrounded; corr rescales O.
       auto softmax = [&](float (&sc)[8][4], const float4 (&keys)[8], int i, float (&corr)[2]) {
         const PageDesc page = tile_desc[i % T::kStages];
 #pragma unroll
@@ -501,53 +502,62 @@ int Stages(int max_page_bytes) {
   return DynamicSmem<kDim, kDeepStages>(max_page_bytes) <= kMaxDynamicSmem ? kDeepStages : 2;
 }
 
+// The kernel instance that serves (head_dim, max_page_bytes): f(dim, stages), both as
+// std::integral_constant, so that every entry point below makes the same choice.
+template <int kValue>
+using Int = std::integral_constant<int, kValue>;
+template <class F>
+auto WithInstance(int head_dim, int max_page_bytes, F&& f) {
+  if (head_dim == 128) {
+    return Stages<128>(max_page_bytes) == kDeepStages ? f(Int<128>{}, Int<kDeepStages>{}) : f(Int<128>{}, Int<2>{});
+  }
+  return Stages<64>(max_page_bytes) == kDeepStages ? f(Int<64>{}, Int<kDeepStages>{}) : f(Int<64>{}, Int<2>{});
+}
+
+// Raises the instance's dynamic shared-memory limit to what `max_page_bytes` needs; returns the bytes.
 template <int kDim, int kStages>
-Error CtasPerSm(const AttentionParams& p, int* ctas) {
-  using T = WgmmaTraits<kDim, kStages>;
-  const int smem = DynamicSmem<kDim, kStages>(p.max_page_bytes);
-  auto kernel = AttentionWgmmaKernel<kDim, kStages>;
-  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  KVPACK_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, kernel, T::kThreads, smem));
+Error Prepare(int max_page_bytes, int* smem) {
+  *smem = DynamicSmem<kDim, kStages>(max_page_bytes);
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(AttentionWgmmaKernel<kDim, kStages>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, *smem));
   return Error::Ok();
 }
 
 template <int kDim, int kStages>
 Error Launch(const AttentionParams& p, cudaStream_t stream) {
   using T = WgmmaTraits<kDim, kStages>;
-  const int smem = DynamicSmem<kDim, kStages>(p.max_page_bytes);
-  auto kernel = AttentionWgmmaKernel<kDim, kStages>;
-  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int smem = 0;
+  KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages>(p.max_page_bytes, &smem)));
   const dim3 grid(static_cast<unsigned>((p.n_q + kTileQueries - 1) / kTileQueries), static_cast<unsigned>(p.kv.n_heads));
-  kernel<<<grid, T::kThreads, smem, stream>>>(p);
+  AttentionWgmmaKernel<kDim, kStages><<<grid, T::kThreads, smem, stream>>>(p);
   KVPACK_CUDA_RETURN_LAUNCH("attention wgmma kernel");
   return Error::Ok();
 }
 
-template <int kDim>
-Error LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
-  return Stages<kDim>(p.max_page_bytes) == kDeepStages ? Launch<kDim, kDeepStages>(p, stream) : Launch<kDim, 2>(p, stream);
+template <int kDim, int kStages>
+Error CtasPerSm(const AttentionParams& p, int* ctas) {
+  int smem = 0;
+  KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages>(p.max_page_bytes, &smem)));
+  KVPACK_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, AttentionWgmmaKernel<kDim, kStages>,
+                                                                   WgmmaTraits<kDim, kStages>::kThreads, smem));
+  return Error::Ok();
 }
 
 }  // namespace
 
 int AttentionWgmmaSharedBytes(int head_dim, int max_page_bytes) {
-  if (head_dim == 128) {
-    return Stages<128>(max_page_bytes) == kDeepStages ? DynamicSmem<128, kDeepStages>(max_page_bytes)
-                                                      : DynamicSmem<128, 2>(max_page_bytes);
-  }
-  return Stages<64>(max_page_bytes) == kDeepStages ? DynamicSmem<64, kDeepStages>(max_page_bytes)
-                                                   : DynamicSmem<64, 2>(max_page_bytes);
+  return WithInstance(head_dim, max_page_bytes,
+                      [&](auto dim, auto stages) { return DynamicSmem<dim.value, stages.value>(max_page_bytes); });
 }
 
 Error LaunchAttentionWgmma(const AttentionParams& params, cudaStream_t stream) {
-  return params.kv.head_dim == 128 ? LaunchForDim<128>(params, stream) : LaunchForDim<64>(params, stream);
+  return WithInstance(params.kv.head_dim, params.max_page_bytes,
+                      [&](auto dim, auto stages) { return Launch<dim.value, stages.value>(params, stream); });
 }
 
-Error AttentionWgmmaCtasPerSm(const AttentionParams& p, int* ctas) {
-  const bool deep = p.kv.head_dim == 128 ? Stages<128>(p.max_page_bytes) == kDeepStages
-                                         : Stages<64>(p.max_page_bytes) == kDeepStages;
-  if (p.kv.head_dim == 128) return deep ? CtasPerSm<128, kDeepStages>(p, ctas) : CtasPerSm<128, 2>(p, ctas);
-  return deep ? CtasPerSm<64, kDeepStages>(p, ctas) : CtasPerSm<64, 2>(p, ctas);
+Error AttentionWgmmaCtasPerSm(const AttentionParams& params, int* ctas) {
+  return WithInstance(params.kv.head_dim, params.max_page_bytes,
+                      [&](auto dim, auto stages) { return CtasPerSm<dim.value, stages.value>(params, ctas); });
 }
 
 }  // namespace kvpack::cuda

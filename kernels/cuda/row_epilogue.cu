@@ -146,11 +146,13 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const R
   const float* norm_table = kind == 0 ? p.q_norm_weight : (kind == 1 ? p.k_norm_weight : nullptr);
   const bool norm = p.norm && norm_table != nullptr;
   const int w0 = p.norm_weight_len == kDim ? chan : hc;
+  float signs[kPerLane];
+  LaneSigns(signs, lane, p.seed);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     bias[i] = p.bias ? p.bias[kind * head_cols + hc + i] : 0.0f;
     norm_w[i] = norm ? norm_table[w0 + i] : 1.0f;
-    const float sign = p.rotate ? RotationSign(p.seed, chan + i) : 1.0f;
+    const float sign = p.rotate ? signs[i] : 1.0f;
     shift[i] = 0.0f, factor[i] = sign;
     if constexpr (kMode == RowMode::kQuery) {
       factor[i] = p.lambda[hc + i] * sign;

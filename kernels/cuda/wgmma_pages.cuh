@@ -53,8 +53,8 @@ __device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, int byte
 // steps; the two chunks of a row at d = 128 share its metadata; a quarter warp stores one row's eight
 // chunks of a block (conflict-free). INT4 and INT8 pages: all kProducerThreads threads decode both
 // tiles (with one group on K and one on V, the V group, whose INT4 decode does the arithmetic,
-// finished last on every page). BF16 pages, a copy: one group per tile (faster for the two-stage
-// kernel that BF16 pages take at d = 128).
+// finished last on every page). BF16 pages, a copy: one group per tile (two-stage kernel at
+// d = 128: 358 TFLOP/s against 347 with both groups on both tiles, bench/RESULTS.md runs 17–18).
 inline constexpr int kProducerThreads = 256;
 template <int kDimT, int kThreads = kProducerThreads>
 struct ProducerUnits {
