@@ -12,11 +12,9 @@
 //     attention_device.cuh (Rᵀ, +μ_v, bf16 store). With the deep ring a group issues S of the next
 //     page and P·V of this one together and computes the next softmax under them, the two groups
 //     taking turns to issue (kTurnBar), so that one's softmax runs under the other's MMAs.
-// Every hand-over is an mbarrier on which each side's threads arrive and each waiting thread waits on its
-// own, so that no group (and no warp of one) waits for another of its own role: raw_full[st] (the bulk
-// copies), raw_empty[st] (every producer has decoded the raw stage: thread 0 may refill it),
-// tile_full[s] (every producer has decoded its part of the tile) and tile_empty[s] (every consumer's
-// MMAs on the tile are done). kTurnBar + c, a named barrier, orders the consumer groups' MMA issues.
+// The tiles change hands through tile_full[s] (an mbarrier: every producer thread arrives, each consumer
+// waits on its own, so the consumer groups never wait for each other) and the named barrier
+// kEmptyBar + s (consumers arrive, producers wait); kTurnBar + c orders the consumer groups' MMA issues.
 // bench/RESULTS.md has the measurements behind each choice.
 #include "kernels/cuda/attention_wgmma.h"
 
@@ -68,7 +66,9 @@ struct WgmmaTraits {
   static_assert(kTileBytes % kAlign == 0 && kQBytes % kAlign == 0, "tiles keep the swizzle alignment");
   static constexpr int kWindow = 3072;  // pages examined per visibility pass
   // Named barriers (0 is __syncthreads).
-  static constexpr int kTurnBar = 1;  // + c: consumer group c may issue its MMAs
+  static constexpr int kProducerBar = 1;
+  static constexpr int kEmptyBar = 2;
+  static constexpr int kTurnBar = kEmptyBar + kStages;  // + c: consumer group c may issue its MMAs
   static_assert(kTurnBar + kConsumerGroups <= 16, "16 hardware barriers");
 };
 
@@ -174,8 +174,8 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
   __shared__ QueryRuns runs;
   __shared__ VisibleScratch<T::kThreads, T::kWindow> scratch;
   __shared__ PageDesc raw_desc[T::kRawStages], tile_desc[T::kStages];
-  __shared__ uint64_t raw_full[T::kRawStages], raw_empty[T::kRawStages];  // mbarriers: raw stage filled, decoded
-  __shared__ uint64_t tile_full[T::kStages], tile_empty[T::kStages];    // decoded stage filled, consumed
+  __shared__ uint64_t raw_full[T::kRawStages];  // mbarriers: raw stage filled
+  __shared__ uint64_t tile_full[T::kStages];    // mbarriers: decoded stage filled (every producer arrives)
   __shared__ uint32_t bf16_exponent;             // kBf16Exponent, see Int4CodesPlus128
   __shared__ float4 key_table[T::kStages][kPageTokens / 2];  // (a_j, b_j, a_j+1, b_j+1): DecodePage
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
@@ -199,14 +199,8 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
   }
   if (tid == 0) {
     bf16_exponent = kBf16Exponent;
-    for (int st = 0; st < T::kRawStages; ++st) {
-      MbarInit(SmemAddr(&raw_full[st]), 1);
-      MbarInit(SmemAddr(&raw_empty[st]), T::kProducerThreads);
-    }
-    for (int st = 0; st < T::kStages; ++st) {
-      MbarInit(SmemAddr(&tile_full[st]), T::kProducerThreads);
-      MbarInit(SmemAddr(&tile_empty[st]), 128 * T::kConsumerGroups);
-    }
+    for (int st = 0; st < T::kRawStages; ++st) MbarInit(SmemAddr(&raw_full[st]), 1);
+    for (int st = 0; st < T::kStages; ++st) MbarInit(SmemAddr(&tile_full[st]), T::kProducerThreads);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   FenceProxyAsync();
@@ -217,26 +211,21 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
   // role only (the register counts of the two differ). Both meet at the same CTA barriers.
   if (group < T::kProducerGroups) {
     SetMaxRegisters<T::kProducerRegisters, false>();
-    // Raw stages go round over all windows: page g of the kernel (g = done + i) fills stage g mod kRawStages
-    // as that stage's use g / kRawStages, whose parity its mbarriers' waits take.
-    int done = 0;              // pages decoded in earlier windows
-    uint32_t empty_phase = 0;  // bit s: the parity of tile_empty[s]'s next completion
+    uint32_t raw_phase = 0;  // bit st: the parity of raw stage st's next completion
     const uint32_t exponent = bf16_exponent;
     for (int w0 = 0; w0 < n_pages; w0 += T::kWindow) {
       const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
       const int n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
       if (n_visible > 0) {
         // Producers: raw page i+2 arrives while page i is decoded into tile stage i mod kStages. Thread 0
-        // reads each page's source one page ahead, starts its bulk copies once every producer has decoded
-        // the stage's previous page, and hands the descriptor on through shared memory: raw_desc[raw stage]
-        // to the decode (published by the copies' mbarrier arrival), tile_desc[stage] to the consumers.
+        // reads each page's source one page ahead, starts its bulk copies, and hands its descriptor on
+        // through shared memory: raw_desc[raw stage] to the decode, tile_desc[stage] to the consumers.
         const int stage_bytes = 2 * p.max_page_bytes;
-        PageSource source{};  // thread 0 fills it before the first issue
+        PageSource source;
         auto issue = [&](int j) {  // thread 0: page j's copies, then the source of page j + 1
-          const int g = done + j, st = g % T::kRawStages;
-          if (g >= T::kRawStages) MbarWait(SmemAddr(&raw_empty[st]), ((g / T::kRawStages) - 1) & 1);  // its last use
-          raw_desc[st] = source.desc;
+          const int st = j % T::kRawStages;
           IssuePageCopy<kDim>(p.kv.pool, source, raw + st * stage_bytes, p.max_page_bytes, SmemAddr(&raw_full[st]));
+          raw_desc[st] = source.desc;
           if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + scratch.visible[j + 1]);
         };
         if (tid == 0) {
@@ -244,25 +233,22 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
           for (int j = 0; j < T::kRawStages - 1 && j < n_visible; ++j) issue(j);
         }
         for (int i = 0; i < n_visible; ++i) {
-          const int next = i + T::kRawStages - 1;  // into page i − 1's raw stage
+          BarSync(T::kProducerBar, T::kProducerThreads);  // everyone has decoded page i − 1: its stage is free
+          const int next = i + T::kRawStages - 1;
           if (tid == 0 && next < n_visible) issue(next);
-          const int st = (done + i) % T::kRawStages;
-          MbarWait(SmemAddr(&raw_full[st]), ((done + i) / T::kRawStages) & 1);
+          const int st = i % T::kRawStages;
+          MbarWait(SmemAddr(&raw_full[st]), (raw_phase >> st) & 1u);
+          raw_phase ^= 1u << st;
           const int s = i % T::kStages;
-          if (i >= T::kStages) {  // the consumers are done with page i − kStages
-            MbarWait(SmemAddr(&tile_empty[s]), (empty_phase >> s) & 1u);
-            empty_phase ^= 1u << s;
-          }
+          if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);  // consumers are done with page i − kStages
           const PageDesc page = raw_desc[st];
           DecodePage<kDim>(page, raw + st * stage_bytes, p.max_page_bytes,
                            smem + T::kKOffset + s * T::kTileBytes, smem + T::kVOffset + s * T::kTileBytes,
                            reinterpret_cast<float2*>(key_table[s]), scale_log2, exponent, tid);
-          MbarArrive(SmemAddr(&raw_empty[st]));
           if (tid == 0) tile_desc[s] = page;
           FenceProxyAsync();
           MbarArrive(SmemAddr(&tile_full[s]));
         }
-        done += n_visible;
       }
       __syncthreads();  // the consumers are done with the tiles before the next window
     }
@@ -444,7 +430,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
           WgmmaWait<0>();
           FenceRegs(o);
           fence_p();
-          if (i + T::kStages < n_visible) MbarArrive(SmemAddr(&tile_empty[i % T::kStages]));
+          if (i + T::kStages < n_visible) BarArrive(T::kEmptyBar + i % T::kStages, T::kThreads);
           if (more) {
             rescale_o(corr);
             pack_p(sc);
@@ -462,7 +448,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
           FenceRegs(o);
           FenceRegs(sc);
           fence_p();
-          if (i > 0 && i - 1 + T::kStages < n_visible) MbarArrive(SmemAddr(&tile_empty[(i - 1) % T::kStages]));
+          if (i > 0 && i - 1 + T::kStages < n_visible) BarArrive(T::kEmptyBar + (i - 1) % T::kStages, T::kThreads);
           float corr[2];
           softmax(sc, keys, i, corr);
           rescale_o(corr);

@@ -191,24 +191,19 @@ __device__ __forceinline__ void DecodeTiles(const uint8_t* k_src, const uint8_t*
   }
 }
 
-// One tile of a BF16 page, by one group's units: half of a thread's rows at a time (all of them at once
-// held 32 more registers than the producers' 56 and spilled).
+// One tile of a BF16 page, by one group's units.
 template <class U>
 __device__ __forceinline__ void CopyBf16Tile(const uint8_t* src, uint8_t* tile, const U& u) {
-  constexpr int kHalf = U::kRowSteps / 2;
+  RawUnit<PageFormat::kBf16> raw[U::kRowSteps][U::kBlocks];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    RawUnit<PageFormat::kBf16> raw[kHalf][U::kBlocks];
+  for (int r = 0; r < U::kRowSteps; ++r) {
 #pragma unroll
-    for (int r = 0; r < kHalf; ++r) {
+    for (int b = 0; b < U::kBlocks; ++b) raw[r][b] = LoadUnit<PageFormat::kBf16, U::kDim>(src, u.Row(r), b * 8 + u.c8);
+  }
 #pragma unroll
-      for (int b = 0; b < U::kBlocks; ++b) raw[r][b] = LoadUnit<PageFormat::kBf16, U::kDim>(src, u.Row(h * kHalf + r), b * 8 + u.c8);
-    }
+  for (int r = 0; r < U::kRowSteps; ++r) {
 #pragma unroll
-    for (int r = 0; r < kHalf; ++r) {
-#pragma unroll
-      for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(tile + u.TileOffset(h * kHalf + r, b)) = ConvertUnit<PageFormat::kBf16>(raw[r][b]);
-    }
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(tile + u.TileOffset(r, b)) = ConvertUnit<PageFormat::kBf16>(raw[r][b]);
   }
 }
 
