@@ -16,6 +16,8 @@ namespace {
 constexpr int kWarpsPerBlock = 8;
 constexpr int kRowsPerWarp = 16;
 constexpr int kRowsAhead = 3;
+// Four blocks per SM (64 registers a thread): 32 warps to hide the shuffles' and loads' latencies.
+constexpr int kBlocksPerSm = 4;
 
 // RoPE on one row (after QK-norm, before smoothing), the CPU reference's arithmetic without FMA
 // contraction. `buf` is this warp's d floats of shared memory, used to read each channel's partner.
@@ -53,13 +55,15 @@ __device__ void ApplyRope(float (&x)[kPerLane], float* buf, int lane, const RowE
 constexpr float kInv15 = 1.0f / 15.0f, kInv127 = 1.0f / 127.0f;
 
 // Quantizes one rotated row into `slot` of `page` (format.h encoders, lane-parallel, the same
-// roundings: conversions by the hardware, divisions by DivideByReciprocal).
+// roundings: conversions by the hardware, divisions by DivideByReciprocal). Each format's branch
+// places its row with its own compile-time sizes.
 template <int kPerLane>
 __device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat format, int slot, uint8_t* page) {
   constexpr int kDim = 32 * kPerLane;
-  uint8_t* codes = page + slot * CodeBytesPerRow(format, kDim);
-  uint8_t* meta = page + MetaOffset(format, kDim) + slot * MetaBytesPerRow(format);
   if (format == PageFormat::kInt4) {
+    constexpr PageFormat F = PageFormat::kInt4;
+    uint8_t* codes = page + slot * CodeBytesPerRow(F, kDim);
+    uint8_t* meta = page + MetaOffset(F, kDim) + slot * MetaBytesPerRow(F);
     float mn = x[0], mx = x[0];
 #pragma unroll
     for (int i = 1; i < kPerLane; ++i) mn = fminf(mn, x[i]), mx = fmaxf(mx, x[i]);
@@ -81,6 +85,9 @@ __device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat fo
     }
     if (lane == 0) *reinterpret_cast<uint32_t*>(meta) = scale_bits | (static_cast<uint32_t>(lo_bits) << 16);
   } else if (format == PageFormat::kInt8) {
+    constexpr PageFormat F = PageFormat::kInt8;
+    uint8_t* codes = page + slot * CodeBytesPerRow(F, kDim);
+    uint8_t* meta = page + MetaOffset(F, kDim) + slot * MetaBytesPerRow(F);
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) amax = fmaxf(amax, fabsf(x[i]));
@@ -101,6 +108,7 @@ __device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat fo
     }
     if (lane == 0) *reinterpret_cast<uint16_t*>(meta) = scale_bits;
   } else {
+    uint8_t* codes = page + slot * CodeBytesPerRow(PageFormat::kBf16, kDim);
     StoreBf16(reinterpret_cast<uint16_t*>(codes) + kPerLane * lane, x);
   }
 }
@@ -122,7 +130,7 @@ struct PageCursor {
 };
 
 template <int kDim, RowMode kMode>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const RowEpilogueParams p) {
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, kBlocksPerSm) RowEpilogueKernel(const RowEpilogueParams p) {
   constexpr int kPerLane = kDim / 32;
   constexpr int kBlocks = kMode == RowMode::kQuery ? 1 : 2;
   __shared__ float rope_buf[kWarpsPerBlock][kDim];
@@ -132,7 +140,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const R
   const int column = blockIdx.y * kWarpsPerBlock + warp;
   if (column >= kBlocks * p.n_heads) return;  // warp-uniform
   const int64_t row_begin = static_cast<int64_t>(blockIdx.x) * kRowsPerWarp;
-  const int64_t row_end = min(row_begin + kRowsPerWarp, p.n_rows);
+  const int n_rows = static_cast<int>(min(static_cast<int64_t>(kRowsPerWarp), p.n_rows - row_begin));
   const int which = column / p.n_heads, head = column % p.n_heads;  // input columns column·d …
   const int kind = kMode == RowMode::kQuery ? 0 : 1 + which;         // 0 q, 1 k, 2 v: W / bias block
   const int64_t head_cols = static_cast<int64_t>(p.n_heads) * kDim;
@@ -164,28 +172,37 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) RowEpilogueKernel(const R
   }
 
   // ── Rows ──────────────────────────────────────────────────────────────────────────────────────
+  // Rows row_begin + r, r < n_rows (at most kRowsPerWarp): the workspace's step by in_stride (a row of
+  // q or of k | v, < 2^31 elements), given rows sit where the caller's layout puts their token.
   const bool given = p.given[0] != nullptr;
   const ProjectedLayout& gl = p.given_layout;
-  const auto token_of = [&](int64_t row) { return p.token_index ? p.token_index[row] : p.token_begin + row; };
-  const auto row_ptr = [&](int64_t row) -> const uint16_t* {
-    if (!given) return p.in + row * p.in_stride + column * kDim + chan;
-    const int64_t token = token_of(row);
+  const auto token_of = [&](int r) -> int64_t {
+    if constexpr (kMode == RowMode::kStats) {
+      if (p.token_index) return p.token_index[row_begin + r];
+    }
+    return p.token_begin + row_begin + r;
+  };
+  const uint16_t* in_row0 = given ? nullptr : p.in + row_begin * p.in_stride + column * kDim + chan;
+  const int in_stride = static_cast<int>(p.in_stride);
+  const auto row_ptr = [&](int r) -> const uint16_t* {
+    if (!given) return in_row0 + r * in_stride;
+    const int64_t token = token_of(r);
     return p.given[which] + token / gl.batch_tokens * gl.batch_stride + token % gl.batch_tokens * gl.token_stride +
            head * gl.head_stride + chan;
   };
   PageCursor page;
-  Bf16Lanes<kPerLane> ahead[kRowsAhead];  // rows row + 1 … row + kRowsAhead, as loaded
+  Bf16Lanes<kPerLane> ahead[kRowsAhead];  // rows r + 1 … r + kRowsAhead, as loaded
 #pragma unroll
   for (int k = 0; k < kRowsAhead; ++k) {
-    if (row_begin + k < row_end) ahead[k] = LoadBf16Lanes<kPerLane>(row_ptr(row_begin + k));
+    if (k < n_rows) ahead[k] = LoadBf16Lanes<kPerLane>(row_ptr(k));
   }
-  for (int64_t row = row_begin; row < row_end; ++row) {
+  for (int r = 0; r < n_rows; ++r) {
     float x[kPerLane];
     UnpackBf16(ahead[0], x);
 #pragma unroll
     for (int k = 0; k + 1 < kRowsAhead; ++k) ahead[k] = ahead[k + 1];
-    if (row + kRowsAhead < row_end) ahead[kRowsAhead - 1] = LoadBf16Lanes<kPerLane>(row_ptr(row + kRowsAhead));
-    const int64_t token = token_of(row);
+    if (r + kRowsAhead < n_rows) ahead[kRowsAhead - 1] = LoadBf16Lanes<kPerLane>(row_ptr(r + kRowsAhead));
+    const int64_t row = row_begin + r, token = token_of(r);
 
     // ── Bias, QK-norm, RoPE ─────────────────────────────────────────────────────────────────────
     if (p.bias) {

@@ -74,25 +74,27 @@ struct ProducerUnits {
 
 // 8 INT4 V codes (one 32-bit word, channel 2j in the low nibble of byte j) → 8 bf16 lo + code·scale,
 // in bf16x2 arithmetic: (0x4300 | code) is the bf16 of 128 + code, so one byte permute and one mask
-// make a channel pair and an exact subtraction gives the codes. scale and lo are each split into a
-// bf16 high part and a bf16 rest (exact to 2^-17); code·scale_high + lo_high rounds once near the
-// value, code·scale_rest + lo_rest is small, and their sum rounds again: about 1.3× the error of
-// format.h's fp32 decode on centred rows (an emulation over random rows; more where |lo| ≫ the
-// step, i.e. without smoothing). Only V pages take this path: an error in V reaches the output
-// linearly, averaged over keys, while K's error is a logit error that softmax amplifies — rounding
-// a K row's scale to bf16 took cuda_layer_test's INT4 case from rel L2 0.004 to 0.017 — so K
-// pages keep the exact fp32 decode.
+// make a channel pair and an exact subtraction gives the codes. lo is split into a bf16 high part and
+// a bf16 rest (exact to 2^-17), scale is rounded to bf16: code·scale + lo_high rounds once near the
+// value and adding lo_rest rounds again. Against format.h's exact decode (bench/int4_v_decode_error.py,
+// in quantization steps, RMS): 0.019 on centred rows (0.009 for the fp32 decode rounded to bf16,
+// 0.012 with scale split too, at one more instruction per channel pair; the quantization's own error
+// is 0.25); on uncentred rows (|lo| ≫ the step, no smoothing) the bf16 output rounding dominates
+// (0.44 either way vs 0.32), while an unsplit lo would add |lo|·2^-9 (run 23: the untransformed INT4
+// case's rel L2 vs the CPU went from under 0.015 to 0.024). Only V pages take this path: an error in
+// V reaches the output linearly, averaged over keys, while K's error is a logit error that softmax
+// amplifies — rounding a K row's scale to bf16 took cuda_layer_test's INT4 case from rel L2 0.004 to
+// 0.017 — so K pages keep the exact fp32 decode.
 struct Int4RowBf16 {
-  __nv_bfloat162 scale_high, scale_rest, lo_high, lo_rest;
+  __nv_bfloat162 scale, lo_high, lo_rest;
 };
 __device__ __forceinline__ Int4RowBf16 Int4RowOf(uint32_t meta) {
   const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
-  const uint32_t scale_high = PackBf16(scale, scale), lo_high = PackBf16(lo, lo);
-  const uint32_t rests = PackBf16(scale - __uint_as_float(scale_high << 16), lo - __uint_as_float(lo_high << 16));
-  const uint32_t scale_rest = __byte_perm(rests, 0, 0x1010), lo_rest = __byte_perm(rests, 0, 0x3232);
+  const uint32_t scale2 = PackBf16(scale, scale), lo_high = PackBf16(lo, lo);
+  const float rest = lo - __uint_as_float(lo_high << 16);
+  const uint32_t lo_rest = PackBf16(rest, rest);
   Int4RowBf16 row;
-  row.scale_high = *reinterpret_cast<const __nv_bfloat162*>(&scale_high);
-  row.scale_rest = *reinterpret_cast<const __nv_bfloat162*>(&scale_rest);
+  row.scale = *reinterpret_cast<const __nv_bfloat162*>(&scale2);
   row.lo_high = *reinterpret_cast<const __nv_bfloat162*>(&lo_high);
   row.lo_rest = *reinterpret_cast<const __nv_bfloat162*>(&lo_rest);
   return row;
@@ -116,8 +118,7 @@ __device__ __forceinline__ uint4 Int4Bf16Unit(uint32_t codes, const Int4RowBf16&
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const __nv_bfloat162 code = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&pairs[j]), bias);
-    const __nv_bfloat162 v =
-        __hadd2(__hfma2(code, row.scale_high, row.lo_high), __hfma2(code, row.scale_rest, row.lo_rest));
+    const __nv_bfloat162 v = __hadd2(__hfma2(code, row.scale, row.lo_high), row.lo_rest);
     out[j] = *reinterpret_cast<const uint32_t*>(&v);
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
