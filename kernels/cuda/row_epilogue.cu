@@ -54,6 +54,15 @@ __device__ void ApplyRope(float (&x)[kPerLane], float* buf, int lane, const RowE
 // RN(1/15) and RN(1/127): the encoders' divisions by 15 and 127 through DivideByReciprocal.
 constexpr float kInv15 = 1.0f / 15.0f, kInv127 = 1.0f / 127.0f;
 
+// RN(1/s) of a positive half value s (2^-24 … 65504), as __frcp_rn: the approximate reciprocal and one
+// Newton step, the operations of __frcp_rn's fast path, which rounds correctly wherever the reciprocal
+// is a normal float — always for a half — so without its range check and slow-path branch.
+__device__ __forceinline__ float ReciprocalOfHalf(float s) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(s));
+  return fmaf(fmaf(-s, r, 1.0f), r, r);
+}
+
 // Quantizes one rotated row into `slot` of `page` (format.h encoders, lane-parallel, the same
 // roundings: conversions by the hardware, divisions by DivideByReciprocal). Each format's branch
 // places its row with its own compile-time sizes.
@@ -71,7 +80,7 @@ __device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat fo
     const uint16_t scale_bits = FloatToHalfBits(ClampToHalfRange(DivideByReciprocal(mx - mn, 15.0f, kInv15)));
     const uint16_t lo_bits = FloatToHalfBits(ClampToHalfRange(mn));
     const float scale = HalfBits(scale_bits), lo = HalfBits(lo_bits);
-    const float inv = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
+    const float inv = scale > 0.0f ? ReciprocalOfHalf(scale) : 0.0f;
     uint32_t packed = 0;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {  // rint then clamp to [0, 15], as integers
@@ -94,7 +103,7 @@ __device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat fo
     amax = WarpMax(amax);
     const uint16_t scale_bits = FloatToHalfBits(ClampToHalfRange(DivideByReciprocal(amax, 127.0f, kInv127)));
     const float scale = HalfBits(scale_bits);
-    const float inv = scale > 0.0f ? __frcp_rn(scale) : 0.0f;
+    const float inv = scale > 0.0f ? ReciprocalOfHalf(scale) : 0.0f;
     uint32_t packed = 0;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
@@ -254,6 +263,13 @@ Error LaunchForDim(RowMode mode, const RowEpilogueParams& p, cudaStream_t stream
   return Error::Ok();
 }
 
+__global__ void HalfReciprocalCheckKernel(int* mismatches) {
+  const int h = blockIdx.x * blockDim.x + threadIdx.x;  // bits of a positive finite half: 1 … 0x7bff
+  if (h < 1 || h >= 0x7c00) return;
+  const float s = HalfBits(static_cast<uint16_t>(h));
+  if (__float_as_uint(ReciprocalOfHalf(s)) != __float_as_uint(__frcp_rn(s))) atomicAdd(mismatches, 1);
+}
+
 __global__ void GatherRowsKernel(const uint16_t* x, int64_t hidden, const int64_t* token_index, uint16_t* out) {
   const int64_t row = blockIdx.x;
   const uint4* src = reinterpret_cast<const uint4*>(x + token_index[row] * hidden);
@@ -345,6 +361,18 @@ Error LaunchRowEpilogue(RowMode mode, const RowEpilogueParams& params, cudaStrea
   if (params.head_dim == 128) return LaunchForDim<128>(mode, params, stream);
   if (params.head_dim == 64) return LaunchForDim<64>(mode, params, stream);
   return Unsupported("row epilogue: head_dim " + std::to_string(params.head_dim));
+}
+
+Error CountHalfReciprocalMismatches(int* mismatches) {
+  int* device = nullptr;
+  KVPACK_CUDA_RETURN(cudaMalloc(&device, sizeof(int)));
+  cudaError_t status = cudaMemset(device, 0, sizeof(int));
+  if (status == cudaSuccess) {
+    HalfReciprocalCheckKernel<<<0x7c00 / 256, 256>>>(device);
+    status = cudaMemcpy(mismatches, device, sizeof(int), cudaMemcpyDeviceToHost);
+  }
+  cudaFree(device);
+  return CudaError(status, "half reciprocal check");
 }
 
 Error LaunchGatherRows(const uint16_t* x, int64_t hidden, const int64_t* token_index, int64_t n, uint16_t* out,

@@ -83,6 +83,10 @@ void FillRopeTable(const RopeOptions& rope, RowEpilogueParams* params);
 
 Error LaunchRowEpilogue(RowMode mode, const RowEpilogueParams& params, cudaStream_t stream);
 
+// A check of the quantizers' reciprocal (row_epilogue.cu, ReciprocalOfHalf) on this device: how many of
+// the positive finite half values s get a result other than __frcp_rn(s)'s (0 expected). Synchronous.
+Error CountHalfReciprocalMismatches(int* mismatches);
+
 // Copies rows token_index[i] of x ([N, hidden] bf16) to out [n, hidden].
 Error LaunchGatherRows(const uint16_t* x, int64_t hidden, const int64_t* token_index, int64_t n, uint16_t* out,
                        cudaStream_t stream);

@@ -11,6 +11,7 @@
 //      decoded pages (tests the attention kernel alone) and vs FP64 unquantized attention (the
 //      end-to-end accuracy of the format).
 #include "kernels/cuda/layer.h"
+#include "kernels/cuda/row_epilogue.h"
 
 #include <gtest/gtest.h>
 
@@ -404,6 +405,15 @@ TEST(CudaLayer, Bf16CausalTwoSequences) {
 
 // On data with channel offsets and outlier channels, INT4 without smoothing, balancing and rotation
 // loses several times more accuracy; the kernels stay exact over their own pages either way.
+// The quantizers' reciprocal of a row scale skips __frcp_rn's range check (a half's reciprocal is
+// always a normal float): the same bits for every positive half.
+TEST(CudaLayer, HalfReciprocalsAreFrcpRn) {
+  SKIP_WITHOUT_GPU();
+  int mismatches = -1;
+  ASSERT_OK(CountHalfReciprocalMismatches(&mismatches));
+  EXPECT_EQ(mismatches, 0);
+}
+
 TEST(CudaLayer, TransformsShowTheirWorthOnInt4) {
   SKIP_WITHOUT_GPU();
   Case c{"int4 plain N=1000 d=128", 1000, 256, 2, 128, {{0, 1000, 0, PageFormat::kInt4}}};
