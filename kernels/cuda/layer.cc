@@ -40,20 +40,9 @@ StatsScratch PlanStatsScratch(const LayerConfig& c) {
   return p;
 }
 
-// The K/V projection's rows of GEMM output: Tp of them, as two buffers of ⌈Tp/2⌉ when the sequence is
-// longer than Tp, so that the GEMM of step j + 1 fills one while the epilogue of step j reads the
-// other (ProjectKv), in the memory of one chunk.
-int ProjectionBuffers(const LayerConfig& c) { return c.shape.n_tokens > ProjectionRows(c) ? 2 : 1; }
-int64_t ProjectionStepRows(const LayerConfig& c) {
-  return ProjectionBuffers(c) == 2 ? (ProjectionRows(c) + 1) / 2 : ProjectionRows(c);
-}
-uint64_t ProjectionBufferBytes(const LayerConfig& c) {
-  return AlignUp(ProjectionStepRows(c) * 2 * c.shape.HeadCols() * 2);
-}
-
 uint64_t MainRegionBytes(const LayerConfig& c) {
   const uint64_t hd = c.shape.HeadCols();
-  const uint64_t projection = c.projected.enabled ? 0 : ProjectionBuffers(c) * ProjectionBufferBytes(c);
+  const uint64_t projection = c.projected.enabled ? 0 : AlignUp(ProjectionRows(c) * 2 * hd * 2);
   const uint64_t query = AlignUp(QueryRows(c) * hd * 2);
   const uint64_t stats = c.stats ? 0 : PlanStatsScratch(c).end;
   return std::max({projection, query, stats});
@@ -73,22 +62,14 @@ class StageClock {
   ~StageClock() {
     for (auto& m : marks_) cudaEventDestroy(m.first), cudaEventDestroy(m.second.first);
   }
-  // Runs `launch` (which enqueues work on `stream`, by default the context's) between two events whose
-  // interval Finish adds to `stage` of ctx.times; without ctx.times it only runs `launch`.
-  template <typename Launch>
-  Error Time(float StageTimes::*stage, Launch&& launch, cudaStream_t stream) {
-    KVPACK_RETURN_IF_ERROR(Start(Slot(ctx_, stage), stream));
-    KVPACK_RETURN_IF_ERROR(launch());
-    return Stop(stream);
-  }
+  // Runs `launch` (which enqueues work on the stream) between two events whose interval Finish adds
+  // to `stage` of ctx.times; without ctx.times it only runs `launch`.
   template <typename Launch>
   Error Time(float StageTimes::*stage, Launch&& launch) {
-    return Time(stage, std::forward<Launch>(launch), ctx_.stream);
+    KVPACK_RETURN_IF_ERROR(Start(Slot(ctx_, stage)));
+    KVPACK_RETURN_IF_ERROR(launch());
+    return Stop();
   }
-  // Opens and closes a span of the context's stream that covers several stages (and other streams
-  // joined into it), for a stage total that overlapping stages cannot give.
-  Error Open(float StageTimes::*stage) { return Start(Slot(ctx_, stage), ctx_.stream); }
-  Error Close() { return Stop(ctx_.stream); }
   Error Finish() {
     if (!ctx_.times) return Error::Ok();
     KVPACK_CUDA_RETURN(cudaStreamSynchronize(ctx_.stream));
@@ -101,63 +82,21 @@ class StageClock {
   }
 
  private:
-  Error Start(float* slot, cudaStream_t stream) {
+  Error Start(float* slot) {
     if (!ctx_.times) return Error::Ok();
     cudaEvent_t a, b;
     KVPACK_CUDA_RETURN(cudaEventCreate(&a));
     KVPACK_CUDA_RETURN(cudaEventCreate(&b));
     marks_.push_back({a, {b, slot}});
-    open_.push_back(marks_.size() - 1);
-    return CudaError(cudaEventRecord(a, stream), "cudaEventRecord");
+    return CudaError(cudaEventRecord(a, ctx_.stream), "cudaEventRecord");
   }
-  Error Stop(cudaStream_t stream) {
+  Error Stop() {
     if (!ctx_.times) return Error::Ok();
-    const size_t mark = open_.back();
-    open_.pop_back();
-    return CudaError(cudaEventRecord(marks_[mark].second.first, stream), "cudaEventRecord");
+    return CudaError(cudaEventRecord(marks_.back().second.first, ctx_.stream), "cudaEventRecord");
   }
 
   const CudaContext& ctx_;
   std::vector<std::pair<cudaEvent_t, std::pair<cudaEvent_t, float*>>> marks_;
-  std::vector<size_t> open_;  // marks started and not yet stopped, innermost last
-};
-
-// A second stream for the K/V epilogues, joined back into the context's stream when it goes out of
-// scope — on every path, so that later work on that stream and the caller's synchronisation cover
-// everything ProjectKv enqueued.
-class SideStream {
- public:
-  explicit SideStream(cudaStream_t main) : main_(main) {}
-  SideStream(const SideStream&) = delete;
-  SideStream& operator=(const SideStream&) = delete;
-  ~SideStream() {
-    if (!side_) return;
-    Join();
-    cudaStreamDestroy(side_);
-    for (cudaEvent_t e : events_) cudaEventDestroy(e);
-  }
-  Error Init() {
-    KVPACK_CUDA_RETURN(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
-    for (cudaEvent_t& e : events_) KVPACK_CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return Error::Ok();
-  }
-  cudaStream_t stream() const { return side_; }
-  // Event `slot` marks what `stream` has enqueued so far; Wait makes `stream` run nothing enqueued
-  // after it before the marked work (as marked at the time of the Wait).
-  Error Mark(int slot, cudaStream_t stream) { return CudaError(cudaEventRecord(events_[slot], stream), "cudaEventRecord"); }
-  Error Wait(cudaStream_t stream, int slot) {
-    return CudaError(cudaStreamWaitEvent(stream, events_[slot], 0), "cudaStreamWaitEvent");
-  }
-  Error Join() {
-    KVPACK_RETURN_IF_ERROR(Mark(kJoin, side_));
-    return Wait(main_, kJoin);
-  }
-
-  static constexpr int kGemmDone = 0, kReadDone = 1, kJoin = 3;  // kReadDone + buffer (0, 1)
-
- private:
-  cudaStream_t main_, side_ = nullptr;
-  cudaEvent_t events_[4] = {};
 };
 
 // The parts of a row epilogue that come from the config and tensors.
@@ -298,7 +237,6 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
 
   // ── Tables: zeroed pages (unused slots read as zeros), page table and offsets ─────────────────
   KVPACK_RETURN_IF_ERROR(PassGate(gate));  // the prologue and the pre-pass are one chunk of GPU work
-  KVPACK_RETURN_IF_ERROR(clock.Open(&StageTimes::projection_ms));
   KVPACK_CUDA_RETURN(cudaMemsetAsync(kv, 0, layout.page_bytes, ctx.stream));
   std::vector<uint8_t> tables(layout.mu_k_offset - layout.pages_offset);
   WriteKvTables(layout, tables.data());
@@ -318,28 +256,19 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
         clock.Time(&StageTimes::stats_ms, [&] { return ComputeStatsOnDevice(c, t, layout, kv, main, gemm, ctx); }));
   }
 
-  // ── Streamed projection: per step one GEMM into [Tp/2, 2·H·d] bf16, one fused epilogue ────────
-  // The GEMMs run on the context's stream into buffer j mod 2, the epilogues on the side stream: the
-  // epilogue of step j, compute-bound on the SMs' ALUs, runs while the GEMM of step j + 1 fills the
-  // other buffer, on the SMs its last partial wave leaves idle.
+  // ── Streamed projection: per chunk one GEMM into [Tp, 2·H·d] bf16, one fused epilogue ─────────
   const KvEntryView view = MakeKvView(layout, c.shape, kv, c.transforms);
-  SideStream side(ctx.stream);
-  KVPACK_RETURN_IF_ERROR(side.Init());
+  uint16_t* projected = reinterpret_cast<uint16_t*>(main);
   RowEpilogueParams p = BaseRowParams(c, t);
-  p.in_stride = 2 * hd;
+  p.in = projected, p.in_stride = 2 * hd;
   if (c.projected.enabled) p.given[0] = t.k, p.given[1] = t.v, p.given_layout = c.projected;
   p.mu_k = view.mu_k, p.mu_v = view.mu_v, p.lambda = view.lambda, p.lambda_v = view.lambda_v;
   p.kv_block = kv, p.pages = view.pages, p.n_pages = view.n_pages;
   p.k_offsets = view.k_offsets, p.v_offsets = view.v_offsets;
-  const int64_t tp = ProjectionStepRows(c);
-  for (int64_t t0 = 0, j = 0; t0 < n; t0 += tp, ++j) {
-    const int buffer = static_cast<int>(j % ProjectionBuffers(c));
-    // Step j − 2's epilogue has read this buffer (and, for the gate, everything but step j − 1's
-    // epilogue is on the context's stream).
-    if (j >= 2) KVPACK_RETURN_IF_ERROR(side.Wait(ctx.stream, SideStream::kReadDone + buffer));
+  const int64_t tp = ProjectionRows(c);
+  for (int64_t t0 = 0; t0 < n; t0 += tp) {
     KVPACK_RETURN_IF_ERROR(PassGate(gate));
     const int64_t rows = std::min(tp, n - t0);
-    uint16_t* projected = reinterpret_cast<uint16_t*>(main + buffer * ProjectionBufferBytes(c));
     if (!c.projected.enabled) {
       GemmArgs g;
       g.a = t.x + t0 * hidden, g.lda = hidden;
@@ -348,16 +277,10 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
       g.m = rows, g.n = 2 * hd, g.k = hidden;
       KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::kv_gemm_ms, [&] { return gemm.Run(g, ctx.stream); }));
     }
-    KVPACK_RETURN_IF_ERROR(side.Mark(SideStream::kGemmDone, ctx.stream));  // tables, statistics, GEMM j
-    KVPACK_RETURN_IF_ERROR(side.Wait(side.stream(), SideStream::kGemmDone));
-    p.in = projected, p.n_rows = rows, p.token_begin = t0;
-    KVPACK_RETURN_IF_ERROR(clock.Time(
-        &StageTimes::kv_epilogue_ms, [&] { return LaunchRowEpilogue(RowMode::kPackKv, p, side.stream()); },
-        side.stream()));
-    KVPACK_RETURN_IF_ERROR(side.Mark(SideStream::kReadDone + buffer, side.stream()));
+    p.n_rows = rows, p.token_begin = t0;
+    KVPACK_RETURN_IF_ERROR(
+        clock.Time(&StageTimes::kv_epilogue_ms, [&] { return LaunchRowEpilogue(RowMode::kPackKv, p, ctx.stream); }));
   }
-  KVPACK_RETURN_IF_ERROR(side.Join());
-  KVPACK_RETURN_IF_ERROR(clock.Close());
   return clock.Finish();
 }
 

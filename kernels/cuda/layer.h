@@ -1,15 +1,12 @@
 // The CUDA engine of one attention layer: same contract as kernels/cpu/layer.h, on device memory.
 //
-// Flow of RunLayer (= ProjectKv, then AttendLayer), on context.stream (the K/V epilogues on a second
-// stream of ProjectKv's own, joined back into context.stream before it returns):
+// Flow of RunLayer (= ProjectKv, then AttendLayer), all on context.stream:
 //   1. statistics pre-pass (unless config.stats): gather a strided sample of
 //      min(N, transforms.stats_sample_tokens) tokens (token i·N/S), one cuBLASLt GEMM against W_k, W_v,
 //      bias / QK-norm / RoPE, then μ_k, μ_v, λ, λ_v per (head, channel) into the entry's tables;
 //   2. K/V projection in chunks of config.projection_chunk tokens: one cuBLASLt GEMM x[chunk]·W_{k,v}ᵀ
 //      into a bf16 workspace [Tp, 2·H·d] (fp32 accumulation), then ONE fused epilogue kernel (bias,
 //      QK-norm, RoPE, −μ, ÷λ (K) or ÷λ_v (V), rotation, quantization) that writes the entry's pages;
-//      with more than one chunk the Tp rows are two buffers of Tp/2, and the epilogue of one half-chunk
-//      runs while the GEMM of the next fills the other buffer;
 //   3. query chunks of config.query_chunk tokens: GEMM x[chunk]·W_qᵀ into a bf16 workspace [Tq, H·d],
 //      epilogue (bias, QK-norm, RoPE, ×λ, R) in place, attention over the pages (attention.h), whose
 //      epilogue applies Rᵀ, ×λ_v and +μ_v and writes bf16 rows of tensors.out (which may be tensors.x).
@@ -27,8 +24,7 @@
 // Chunks: `gate` (layer_spec.h) is called before the prologue (tables, statistics pre-pass) and before
 // each projection and query chunk; its error stops the call. When it is called, the launches of the
 // previous chunk are enqueued but may still run: a gate that needs them finished (to hand the GPU to
-// another call) synchronises the stream itself, which then covers everything before the previous
-// projection step's epilogue (that one may still run on ProjectKv's second stream).
+// another call) synchronises the stream itself.
 //
 // Thread safety: reentrant; one CudaContext (stream, and cuBLASLt workspace inside `workspace`) per
 // concurrent call; the cuBLASLt handle may be shared.
@@ -51,7 +47,6 @@ struct StageTimes {
   float stats_ms = 0;         // pre-pass: gather, GEMM, epilogue, reduction
   float kv_gemm_ms = 0;       // K/V projection GEMMs
   float kv_epilogue_ms = 0;   // fused K/V epilogue (quantization and packing)
-  float projection_ms = 0;    // ProjectKv from its tables to its last epilogue: the stages above overlap
   float q_gemm_ms = 0;        // Q projection GEMMs
   float q_epilogue_ms = 0;    // Q epilogue
   float attention_ms = 0;     // attention kernels
@@ -73,7 +68,7 @@ Error Supported(const LayerConfig& config);
 // Bytes of the packed K/V block: PlanKvLayout(shape, ranges).total_bytes.
 uint64_t KvBytes(const LayerConfig& config);
 // Peak scratch bytes of ProjectKv, AttendLayer and RunLayer (the largest of them): the cuBLASLt
-// workspace plus the largest of the projection workspace [Tp, 2·H·d] bf16 (two halves when N > Tp), the query workspace
+// workspace plus the largest of the projection workspace [Tp, 2·H·d] bf16, the query workspace
 // [Tq, H·d] bf16 and the pre-pass buffers.
 uint64_t WorkspaceBytes(const LayerConfig& config);
 
