@@ -95,9 +95,13 @@ fi
 python3 - "$OUT/times.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print(f"{'tree':6} {'N':>7} {'shape':>7} {'fmt':5} {'layer ms':>9} {'attn ms':>9} {'TFLOP/s':>8} {'proj/GEMM':>9} {'kv epi':>7} {'q epi':>6}")
+# kv/GEMM: the K/V projection (stats, GEMMs, epilogue) over one unchunked x·W_kvᵀ; all/QKV: the whole
+# projection (Q's GEMMs and epilogue too) over one unchunked x·W_qkvᵀ.
+print(f"{'tree':6} {'N':>7} {'shape':>7} {'fmt':5} {'layer ms':>9} {'attn ms':>9} {'TFLOP/s':>8} {'kv/GEMM':>8} {'all/QKV':>8} {'kv epi':>7} {'q epi':>6}")
 for r in rows:
     ratio = r['projection_ms'] / r['unchunked_gemm_ms'] if r['unchunked_gemm_ms'] else float('nan')
+    qkv = r.get('qkv_gemm_ms', 0)
+    ratio_all = r['projection_all_ms'] / qkv if qkv else float('nan')
     print(f"{r['tree']:6} {r['n']:7d} {str(r['heads'])+'x'+str(r['dim']):>7} {r['format']:5} {r['layer_ms']:9.1f} "
-          f"{r['attention_ms']:9.2f} {r['attention_tflops']:8.1f} {ratio:9.3f} {r['kv_epilogue_ms']:7.2f} {r['q_epilogue_ms']:6.2f}")
+          f"{r['attention_ms']:9.2f} {r['attention_tflops']:8.1f} {ratio:8.3f} {ratio_all:8.3f} {r['kv_epilogue_ms']:7.2f} {r['q_epilogue_ms']:6.2f}")
 PY

@@ -6,8 +6,9 @@
 // Prints one JSON line: median layer time over --reps timed runs (inputs refilled before each, so an
 // in-place run never reads its own output), per-stage times of one instrumented run, attention
 // TFLOP/s (4·N²·d per head), bytes the layer allocates (K/V block + workspace + output unless in
-// place) and the device-memory drop measured around those allocations, and (--gemm) the time of one
-// unchunked cuBLASLt GEMM x·W_{k,v}ᵀ for comparison with the streamed projection. --rows_out writes
+// place) and the device-memory drop measured around those allocations, and (--gemm) the times of the
+// unchunked cuBLASLt GEMMs x·W_{k,v}ᵀ and x·W_qkvᵀ for comparison with the streamed projection (its K/V
+// part: projection_ms; all of it, Q included: projection_all_ms). --rows_out writes
 // 64 evenly spaced output rows (bf16 [64, H·d]) for torch_baseline.py's error check.
 #include <cuda_runtime.h>
 
@@ -161,44 +162,51 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaFree(ws));
   if (!in_place) CHECK_CUDA(cudaFree(out));
 
-  // One unchunked GEMM x · W_{k,v}ᵀ → [N, 2·H·d] bf16: the projection's yardstick.
-  float gemm_ms = 0;
+  // Unchunked GEMMs, the projection's yardsticks: x · W_{k,v}ᵀ → [N, 2·H·d] (the K/V projection's)
+  // and x · W_qkvᵀ → [N, 3·H·d] (the whole projection's), bf16, by the same cuBLASLt call the layer makes.
+  float gemm_ms = 0, qkv_gemm_ms = 0;
   if (get("gemm", "1") == "1") {
     uint16_t* c = nullptr;
     void* blas_ws = nullptr;
-    CHECK_CUDA(cudaMalloc(&c, static_cast<uint64_t>(n) * 2 * hd * 2));
+    CHECK_CUDA(cudaMalloc(&c, static_cast<uint64_t>(n) * 3 * hd * 2));
     CHECK_CUDA(cudaMalloc(&blas_ws, cuda::kBlasWorkspaceBytes));
     cuda::BlasGemm gemm(ctx.blas, blas_ws);
-    cuda::GemmArgs g;
-    g.a = x, g.lda = hidden, g.b = w + hd * hidden, g.ldb = hidden, g.c = c, g.ldc = 2 * hd;
-    g.m = n, g.n = 2 * hd, g.k = hidden;
-    CHECK_OK(gemm.Run(g, ctx.stream));
-    std::vector<float> gt;
-    for (int r = 0; r < 3; ++r) {
-      CHECK_CUDA(cudaEventRecord(a, ctx.stream));
-      CHECK_OK(gemm.Run(g, ctx.stream));
-      CHECK_CUDA(cudaEventRecord(b, ctx.stream));
-      CHECK_CUDA(cudaEventSynchronize(b));
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-      gt.push_back(ms);
-    }
-    gemm_ms = Median(gt);
+    auto time_gemm = [&](const uint16_t* weights, int64_t cols) {
+      cuda::GemmArgs g;
+      g.a = x, g.lda = hidden, g.b = weights, g.ldb = hidden, g.c = c, g.ldc = cols;
+      g.m = n, g.n = cols, g.k = hidden;
+      CHECK_OK(gemm.Run(g, ctx.stream));  // warm-up
+      std::vector<float> gt;
+      for (int r = 0; r < 3; ++r) {
+        CHECK_CUDA(cudaEventRecord(a, ctx.stream));
+        CHECK_OK(gemm.Run(g, ctx.stream));
+        CHECK_CUDA(cudaEventRecord(b, ctx.stream));
+        CHECK_CUDA(cudaEventSynchronize(b));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+        gt.push_back(ms);
+      }
+      return Median(gt);
+    };
+    gemm_ms = time_gemm(w + hd * hidden, 2 * hd);
+    qkv_gemm_ms = time_gemm(w, 3 * hd);
     CHECK_CUDA(cudaFree(c));
     CHECK_CUDA(cudaFree(blas_ws));
   }
 
   const double flops = 4.0 * static_cast<double>(n) * n * dim * heads;
   const double projection_ms = st.stats_ms + st.kv_gemm_ms + st.kv_epilogue_ms;
+  const double projection_all_ms = projection_ms + st.q_gemm_ms + st.q_epilogue_ms;  // Q included
   std::printf(
       "{\"n\": %lld, \"hidden\": %d, \"heads\": %d, \"dim\": %d, \"format\": \"%s\", \"in_place\": %d, "
       "\"layer_ms\": %.3f, \"stats_ms\": %.3f, \"kv_gemm_ms\": %.3f, \"kv_epilogue_ms\": %.3f, \"q_gemm_ms\": %.3f, "
       "\"q_epilogue_ms\": %.3f, \"attention_ms\": %.3f, \"attention_tflops\": %.1f, \"projection_ms\": %.3f, "
-      "\"unchunked_gemm_ms\": %.3f, \"layer_gib\": %.4f, \"kv_gib\": %.4f, \"workspace_gib\": %.4f, "
+      "\"unchunked_gemm_ms\": %.3f, \"projection_all_ms\": %.3f, \"qkv_gemm_ms\": %.3f, \"layer_gib\": %.4f, \"kv_gib\": %.4f, \"workspace_gib\": %.4f, "
       "\"measured_alloc_gib\": %.4f, \"tp\": %lld, \"tq\": %lld, \"tiling\": \"%s\"}\n",
       static_cast<long long>(n), hidden, heads, dim, fmt.c_str(), in_place ? 1 : 0, layer_ms, st.stats_ms,
       st.kv_gemm_ms, st.kv_epilogue_ms, st.q_gemm_ms, st.q_epilogue_ms, st.attention_ms,
-      flops / (st.attention_ms * 1e-3) / 1e12, projection_ms, gemm_ms, layer_bytes / 1073741824.0,
+      flops / (st.attention_ms * 1e-3) / 1e12, projection_ms, gemm_ms, projection_all_ms, qkv_gemm_ms,
+      layer_bytes / 1073741824.0,
       kv_bytes / 1073741824.0, ws_bytes / 1073741824.0, (free_before - free_after) / 1073741824.0,
       static_cast<long long>(config.projection_chunk), static_cast<long long>(config.query_chunk), tiling.c_str());
   cudaFree(x);
