@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(WgmmaTraits<kDim, kStages>::kThreads, 1) Atten
 }
 
 template <int kDim, int kStages>
-int DynamicSmem(int max_page_bytes) {
+constexpr int DynamicSmem(int max_page_bytes) {
   using T = WgmmaTraits<kDim, kStages>;
   return T::kAlign + T::kRawOffset + T::kRawStages * 2 * max_page_bytes;
 }
@@ -501,6 +501,8 @@ template <int kDim>
 int Stages(int max_page_bytes) {
   return DynamicSmem<kDim, kDeepStages>(max_page_bytes) <= kMaxDynamicSmem ? kDeepStages : 2;
 }
+static_assert(DynamicSmem<64, kDeepStages>(PageBytes(PageFormat::kBf16, 64)) <= kMaxDynamicSmem,
+              "d = 64 takes four stages with any page (so it has no two-stage instance)");
 
 // The kernel instance that serves (head_dim, max_page_bytes): f(dim, stages), both as
 // std::integral_constant, so that every entry point below makes the same choice.
@@ -511,7 +513,7 @@ auto WithInstance(int head_dim, int max_page_bytes, F&& f) {
   if (head_dim == 128) {
     return Stages<128>(max_page_bytes) == kDeepStages ? f(Int<128>{}, Int<kDeepStages>{}) : f(Int<128>{}, Int<2>{});
   }
-  return Stages<64>(max_page_bytes) == kDeepStages ? f(Int<64>{}, Int<kDeepStages>{}) : f(Int<64>{}, Int<2>{});
+  return f(Int<64>{}, Int<kDeepStages>{});
 }
 
 // Raises the instance's dynamic shared-memory limit to what `max_page_bytes` needs; returns the bytes.
