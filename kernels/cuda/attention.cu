@@ -3,6 +3,7 @@
 #include <climits>
 #include <numeric>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/attention_device.cuh"
@@ -67,7 +68,7 @@ __device__ __forceinline__ void DecodePage(const uint8_t* raw, PageFormat format
 }
 
 template <int kDim, int kWarps, int kMTiles>
-__global__ void __launch_bounds__(32 * kWarps, 8 / kWarps) AttentionKernel(const AttentionParams p) {
+__global__ void __launch_bounds__(32 * kWarps, (AttentionTraits<kDim, kWarps, kMTiles>::kCtasPerSm)) AttentionKernel(const AttentionParams p) {
   using T = AttentionTraits<kDim, kWarps, kMTiles>;
   constexpr int kKTiles = kDim / 16;   // k-steps of S = Q·Kᵀ
   constexpr int kONTiles = kDim / 8;   // n-tiles of O
@@ -257,12 +258,12 @@ int DynamicSmem(int max_page_bytes) {
 }
 
 // Raises the kernel's dynamic shared-memory limit to what `max_page_bytes` needs and asks for the
-// whole unified L1/shared array as shared memory (two kTall CTAs of ~93 KB must fit).
+// whole unified L1/shared array as shared memory (two kTall CTAs of ~93 KB must fit); returns the bytes.
 template <int kDim, int kWarps, int kMTiles>
-Error PrepareKernel(int max_page_bytes) {
+Error PrepareKernel(int max_page_bytes, int* smem) {
   auto kernel = AttentionKernel<kDim, kWarps, kMTiles>;
-  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          DynamicSmem<kDim, kWarps, kMTiles>(max_page_bytes)));
+  *smem = DynamicSmem<kDim, kWarps, kMTiles>(max_page_bytes);
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, *smem));
   KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   return Error::Ok();
 }
@@ -270,19 +271,20 @@ Error PrepareKernel(int max_page_bytes) {
 template <int kDim, int kWarps, int kMTiles>
 Error Launch(const AttentionParams& p, cudaStream_t stream) {
   using T = AttentionTraits<kDim, kWarps, kMTiles>;
-  KVPACK_RETURN_IF_ERROR((PrepareKernel<kDim, kWarps, kMTiles>(p.max_page_bytes)));
+  int smem = 0;
+  KVPACK_RETURN_IF_ERROR((PrepareKernel<kDim, kWarps, kMTiles>(p.max_page_bytes, &smem)));
   const dim3 grid(static_cast<unsigned>((p.n_q + kTileQueries - 1) / kTileQueries), static_cast<unsigned>(p.kv.n_heads));
-  AttentionKernel<kDim, kWarps, kMTiles><<<grid, T::kThreads, DynamicSmem<kDim, kWarps, kMTiles>(p.max_page_bytes), stream>>>(p);
+  AttentionKernel<kDim, kWarps, kMTiles><<<grid, T::kThreads, smem, stream>>>(p);
   KVPACK_CUDA_RETURN_LAUNCH("attention kernel");
   return Error::Ok();
 }
 
 template <int kDim, int kWarps, int kMTiles>
 Error CtasPerSm(const AttentionParams& p, int* ctas) {
-  using T = AttentionTraits<kDim, kWarps, kMTiles>;
-  KVPACK_RETURN_IF_ERROR((PrepareKernel<kDim, kWarps, kMTiles>(p.max_page_bytes)));
+  int smem = 0;
+  KVPACK_RETURN_IF_ERROR((PrepareKernel<kDim, kWarps, kMTiles>(p.max_page_bytes, &smem)));
   KVPACK_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      ctas, AttentionKernel<kDim, kWarps, kMTiles>, T::kThreads, DynamicSmem<kDim, kWarps, kMTiles>(p.max_page_bytes)));
+      ctas, AttentionKernel<kDim, kWarps, kMTiles>, AttentionTraits<kDim, kWarps, kMTiles>::kThreads, smem));
   return Error::Ok();
 }
 
@@ -290,25 +292,20 @@ Error CtasPerSm(const AttentionParams& p, int* ctas) {
 // memory, BF16 pages at d = 128, always fits an H200 SM); it is the fastest in every measured case.
 AttentionTilingChoice Resolve() { return AttentionTilingChoice::kWgmma; }
 
-// The one place where runtime choices become template arguments.
-template <int kDim>
-Error LaunchForDim(const AttentionParams& p, cudaStream_t stream) {
-  AttentionTilingChoice tiling = p.tiling;
-  if (tiling == AttentionTilingChoice::kAuto) tiling = Resolve();
-  switch (tiling) {
-    case AttentionTilingChoice::kWide: return Launch<kDim, 8, 1>(p, stream);
-    case AttentionTilingChoice::kWgmma: return LaunchAttentionWgmma(p, stream);
-    default: return Launch<kDim, 4, 2>(p, stream);
+// The one place where runtime choices become template arguments: mma_sync(dim, warps, m_tiles), each
+// a std::integral_constant, for the mma.sync tilings; wgmma() for the wgmma kernel, which picks its
+// own instance (attention_wgmma.cu).
+template <int kValue>
+using Int = std::integral_constant<int, kValue>;
+template <class MmaSync, class Wgmma>
+Error WithTiling(const AttentionParams& p, MmaSync&& mma_sync, Wgmma&& wgmma) {
+  const AttentionTilingChoice tiling = p.tiling == AttentionTilingChoice::kAuto ? Resolve() : p.tiling;
+  if (tiling == AttentionTilingChoice::kWgmma) return wgmma();
+  const bool wide = tiling == AttentionTilingChoice::kWide;
+  if (p.kv.head_dim == 128) {
+    return wide ? mma_sync(Int<128>{}, Int<8>{}, Int<1>{}) : mma_sync(Int<128>{}, Int<4>{}, Int<2>{});
   }
-}
-
-template <int kDim>
-Error CtasPerSmForDim(const AttentionParams& p, int* ctas) {
-  switch (p.tiling == AttentionTilingChoice::kAuto ? Resolve() : p.tiling) {
-    case AttentionTilingChoice::kWide: return CtasPerSm<kDim, 8, 1>(p, ctas);
-    case AttentionTilingChoice::kWgmma: return AttentionWgmmaCtasPerSm(p, ctas);
-    default: return CtasPerSm<kDim, 4, 2>(p, ctas);
-  }
+  return wide ? mma_sync(Int<64>{}, Int<8>{}, Int<1>{}) : mma_sync(Int<64>{}, Int<4>{}, Int<2>{});
 }
 
 }  // namespace
@@ -343,7 +340,9 @@ Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingCh
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream) {
   KVPACK_RETURN_IF_ERROR(AttentionSupported(params.kv));
   if (params.n_q == 0) return Error::Ok();
-  return params.kv.head_dim == 128 ? LaunchForDim<128>(params, stream) : LaunchForDim<64>(params, stream);
+  return WithTiling(
+      params, [&](auto dim, auto warps, auto m_tiles) { return Launch<dim.value, warps.value, m_tiles.value>(params, stream); },
+      [&] { return LaunchAttentionWgmma(params, stream); });
 }
 
 Error AttentionWaveRows(const AttentionParams& params, int64_t* rows) {
@@ -351,8 +350,9 @@ Error AttentionWaveRows(const AttentionParams& params, int64_t* rows) {
   int device = 0, sms = 0, ctas = 0;
   KVPACK_CUDA_RETURN(cudaGetDevice(&device));
   KVPACK_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  KVPACK_RETURN_IF_ERROR(params.kv.head_dim == 128 ? CtasPerSmForDim<128>(params, &ctas)
-                                                   : CtasPerSmForDim<64>(params, &ctas));
+  KVPACK_RETURN_IF_ERROR(WithTiling(
+      params, [&](auto dim, auto warps, auto m_tiles) { return CtasPerSm<dim.value, warps.value, m_tiles.value>(params, &ctas); },
+      [&] { return AttentionWgmmaCtasPerSm(params, &ctas); }));
   if (ctas <= 0) return Error(ErrorCode::kInternal, "attention: the kernel fits no CTA on an SM");
   const int64_t resident = static_cast<int64_t>(sms) * ctas;
   *rows = resident / std::gcd(resident, static_cast<int64_t>(params.kv.n_heads)) * kTileQueries;

@@ -18,6 +18,8 @@ constexpr int kRowsPerWarp = 16;
 constexpr int kRowsAhead = 3;
 // Four blocks per SM (64 registers a thread): 32 warps to hide the shuffles' and loads' latencies.
 constexpr int kBlocksPerSm = 4;
+// Input column blocks of a mode: q; or k | v.
+constexpr int ColumnBlocks(RowMode mode) { return mode == RowMode::kQuery ? 1 : 2; }
 
 // RoPE on one row (after QK-norm, before smoothing), the CPU reference's arithmetic without FMA
 // contraction. `buf` is this warp's d floats of shared memory, used to read each channel's partner.
@@ -141,7 +143,7 @@ struct PageCursor {
 template <int kDim, RowMode kMode>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, kBlocksPerSm) RowEpilogueKernel(const RowEpilogueParams p) {
   constexpr int kPerLane = kDim / 32;
-  constexpr int kBlocks = kMode == RowMode::kQuery ? 1 : 2;
+  constexpr int kBlocks = ColumnBlocks(kMode);
   __shared__ float rope_buf[kWarpsPerBlock][kDim];
 
   // ── Which column, which rows ──────────────────────────────────────────────────────────────────
@@ -250,7 +252,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kBlocksPerSm) RowEpilogue
 
 template <int kDim>
 Error LaunchForDim(RowMode mode, const RowEpilogueParams& p, cudaStream_t stream) {
-  const int columns = (mode == RowMode::kQuery ? 1 : 2) * p.n_heads;
+  const int columns = ColumnBlocks(mode) * p.n_heads;
   const dim3 grid(static_cast<unsigned>((p.n_rows + kRowsPerWarp - 1) / kRowsPerWarp),
                   static_cast<unsigned>((columns + kWarpsPerBlock - 1) / kWarpsPerBlock));
   const dim3 block(32 * kWarpsPerBlock);

@@ -403,8 +403,6 @@ TEST(CudaLayer, Bf16CausalTwoSequences) {
   RunCaseEachKernel(c);
 }
 
-// On data with channel offsets and outlier channels, INT4 without smoothing, balancing and rotation
-// loses several times more accuracy; the kernels stay exact over their own pages either way.
 // The quantizers' reciprocal of a row scale skips __frcp_rn's range check (a half's reciprocal is
 // always a normal float): the same bits for every positive half.
 TEST(CudaLayer, HalfReciprocalsAreFrcpRn) {
@@ -414,6 +412,8 @@ TEST(CudaLayer, HalfReciprocalsAreFrcpRn) {
   EXPECT_EQ(mismatches, 0);
 }
 
+// On data with channel offsets and outlier channels, INT4 without smoothing, balancing and rotation
+// loses several times more accuracy; the kernels stay exact over their own pages either way.
 TEST(CudaLayer, TransformsShowTheirWorthOnInt4) {
   SKIP_WITHOUT_GPU();
   Case c{"int4 plain N=1000 d=128", 1000, 256, 2, 128, {{0, 1000, 0, PageFormat::kInt4}}};
