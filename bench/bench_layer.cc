@@ -2,6 +2,7 @@
 //
 //   bench_layer --n=32768 --hidden=7168 --heads=56 --dim=128 --format=int4 [--in_place=1] [--reps=3]
 //               [--tp=4096] [--tq=4096] [--tiling=auto|tall|wide|wgmma] [--rows_out=/tmp/rows.bin] [--gemm=1]
+//               [--digest=1]
 //
 // Prints one JSON line: median layer time over --reps timed runs (inputs refilled before each, so an
 // in-place run never reads its own output), per-stage times of one instrumented run, attention
@@ -9,7 +10,9 @@
 // place) and the device-memory drop measured around those allocations, and (--gemm) the times of the
 // unchunked cuBLASLt GEMMs x·W_{k,v}ᵀ and x·W_qkvᵀ for comparison with the streamed projection (its K/V
 // part: projection_ms; all of it, Q included: projection_all_ms). --rows_out writes
-// 64 evenly spaced output rows (bf16 [64, H·d]) for torch_baseline.py's error check.
+// 64 evenly spaced output rows (bf16 [64, H·d]) for torch_baseline.py's error check. --digest adds
+// FNV-1a digests of the packed K/V block and the whole output of the instrumented run (kv_digest,
+// out_digest), so that two builds that must agree bit for bit can be compared at full size.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -54,6 +57,14 @@ std::map<std::string, std::string> ParseArgs(int argc, char** argv) {
       std::exit(1);                                                           \
     }                                                                         \
   } while (0)
+
+uint64_t DeviceDigest(const void* device, uint64_t bytes) {
+  std::vector<uint8_t> host(bytes);
+  if (cudaMemcpy(host.data(), device, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) return 0;
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a, 64 bits
+  for (uint8_t b : host) h = (h ^ b) * 0x100000001b3ull;
+  return h;
+}
 
 float Median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
@@ -141,6 +152,12 @@ int main(int argc, char** argv) {
     FILE* f = std::fopen(rows_out.c_str(), "wb");
     if (f) std::fwrite(rows.data(), 2, rows.size(), f), std::fclose(f);
   }
+  char digests[96] = "";
+  if (get("digest", "0") == "1") {
+    std::snprintf(digests, sizeof(digests), ", \"kv_digest\": \"%016llx\", \"out_digest\": \"%016llx\"",
+                  static_cast<unsigned long long>(DeviceDigest(kv, kv_bytes)),
+                  static_cast<unsigned long long>(DeviceDigest(out, static_cast<uint64_t>(n) * hd * 2)));
+  }
 
   // Timed runs (inputs refilled outside the timed region).
   cudaEvent_t a, b;
@@ -202,13 +219,13 @@ int main(int argc, char** argv) {
       "\"layer_ms\": %.3f, \"stats_ms\": %.3f, \"kv_gemm_ms\": %.3f, \"kv_epilogue_ms\": %.3f, \"q_gemm_ms\": %.3f, "
       "\"q_epilogue_ms\": %.3f, \"attention_ms\": %.3f, \"attention_tflops\": %.1f, \"projection_ms\": %.3f, "
       "\"unchunked_gemm_ms\": %.3f, \"projection_all_ms\": %.3f, \"qkv_gemm_ms\": %.3f, \"layer_gib\": %.4f, \"kv_gib\": %.4f, \"workspace_gib\": %.4f, "
-      "\"measured_alloc_gib\": %.4f, \"tp\": %lld, \"tq\": %lld, \"tiling\": \"%s\"}\n",
+      "\"measured_alloc_gib\": %.4f, \"tp\": %lld, \"tq\": %lld, \"tiling\": \"%s\"%s}\n",
       static_cast<long long>(n), hidden, heads, dim, fmt.c_str(), in_place ? 1 : 0, layer_ms, st.stats_ms,
       st.kv_gemm_ms, st.kv_epilogue_ms, st.q_gemm_ms, st.q_epilogue_ms, st.attention_ms,
       flops / (st.attention_ms * 1e-3) / 1e12, projection_ms, gemm_ms, projection_all_ms, qkv_gemm_ms,
       layer_bytes / 1073741824.0,
       kv_bytes / 1073741824.0, ws_bytes / 1073741824.0, (free_before - free_after) / 1073741824.0,
-      static_cast<long long>(config.projection_chunk), static_cast<long long>(config.query_chunk), tiling.c_str());
+      static_cast<long long>(config.projection_chunk), static_cast<long long>(config.query_chunk), tiling.c_str(), digests);
   cudaFree(x);
   cudaFree(w);
   cublasLtDestroy(ctx.blas);

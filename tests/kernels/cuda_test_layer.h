@@ -86,6 +86,13 @@ struct Case {
 
 inline float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
 
+// FNV-1a, 64 bits: a digest of bytes for bit-identity checks between builds.
+inline uint64_t Fnv1a64(const void* data, size_t bytes) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < bytes; ++i) h = (h ^ static_cast<const uint8_t*>(data)[i]) * 0x100000001b3ull;
+  return h;
+}
+
 // Host inputs and the float q, k, v ([N, H, d]) after bias / QK-norm / RoPE, as the GPU computes them.
 struct HostLayer {
   LayerConfig config;
