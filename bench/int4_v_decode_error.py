@@ -1,4 +1,4 @@
-"""The INT4 V decode's rounding (kernels/cuda/wgmma_pages.cuh, Int4Bf16Unit) against format.h's exact
+"""The INT4 V decode's rounding (kernels/cuda/page_codec.cuh, Int4Bf16Unit) against format.h's exact
 decode, in quantization steps, on random rows of 8 channels, centred (smoothing on) and not: the
 numbers its comment quotes.
 

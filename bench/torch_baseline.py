@@ -133,7 +133,7 @@ def main():
             if r.get("tiling") == "wide":
                 path = f"{args.rows_dir}/rows_wide.bin"
             tiled = f"{args.rows_dir}/rows_{n}_{dim}_{r['format']}_{r['in_place']}_{r.get('tiling', '').replace(':', '_')}.bin"
-            if os.path.exists(tiled):  # bench/run_h200.sh attn keeps one file per tiling
+            if os.path.exists(tiled):  # one file per tiling, where a run keeps them apart
                 path = tiled
             try:
                 got = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.bfloat16).view(64, heads * dim)

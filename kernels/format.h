@@ -52,6 +52,15 @@
 //
 // Encoding is defined in fp32 with round-to-nearest-even (rintf) and a correctly rounded reciprocal
 // so that host and device produce identical codes from identical inputs.
+//
+// ── Codecs ────────────────────────────────────────────────────────────────────────────────────────
+// Each format is one codec: PageCodec<F> (page_codec.h, host and device scalar reference: sizes, row
+// encode and decode) and its device twin cuda::DevicePageCodec<F> (cuda/page_codec.cuh: the warp's row
+// encoder, the decoders the attention kernels use). DispatchFormat below is the one place where a
+// runtime PageFormat becomes a compile-time one; it names every format, and code per format is either
+// a codec member (a format without one fails to compile) or an `if constexpr` chain closed by
+// static_assert(kUnhandledFormat<F>). Adding a format means: the enum, its case in DispatchFormat
+// (kNumPageFormats guards that), and both codecs — the compiler lists every other place.
 #pragma once
 
 #include <cmath>
@@ -77,35 +86,29 @@ inline constexpr int kNumPageFormats = 3;
 
 KVPACK_HD constexpr bool IsValidPageFormat(int f) { return f >= 0 && f < kNumPageFormats; }
 
-// Bytes of one row's codes.
-KVPACK_HD constexpr int CodeBytesPerRow(PageFormat f, int head_dim) {
-  return f == PageFormat::kInt4 ? head_dim / 2 : f == PageFormat::kInt8 ? head_dim : 2 * head_dim;
-}
-// Bytes of one row's metadata.
-KVPACK_HD constexpr int MetaBytesPerRow(PageFormat f) {
-  return f == PageFormat::kInt4 ? 4 : f == PageFormat::kInt8 ? 2 : 0;
-}
-// Byte offset of the metadata block inside a page.
-KVPACK_HD constexpr int MetaOffset(PageFormat f, int head_dim) {
-  return kPageTokens * CodeBytesPerRow(f, head_dim);
-}
-KVPACK_HD constexpr int PageBytes(PageFormat f, int head_dim) {
-  return kPageTokens * (CodeBytesPerRow(f, head_dim) + MetaBytesPerRow(f));
-}
-// Bits actually stored per value, metadata included (e.g. INT4 at d = 128: 4.25).
-KVPACK_HD constexpr double BitsPerValue(PageFormat f, int head_dim) {
-  return 8.0 * (CodeBytesPerRow(f, head_dim) + MetaBytesPerRow(f)) / head_dim;
-}
+// A format as a type, for code specialised per format.
+template <PageFormat F>
+struct FormatTag {
+  static constexpr PageFormat kFormat = F;
+};
+// False for every format: closes an `if constexpr` chain over formats, so that a format the chain
+// does not handle is a compile error rather than a silent fallback.
+template <PageFormat F>
+inline constexpr bool kUnhandledFormat = false;
 
-static_assert(PageBytes(PageFormat::kInt4, 128) == 4352, "INT4 page, d=128");
-static_assert(PageBytes(PageFormat::kInt8, 128) == 8320, "INT8 page, d=128");
-static_assert(PageBytes(PageFormat::kBf16, 128) == 16384, "BF16 page, d=128");
-static_assert(PageBytes(PageFormat::kInt4, 64) == 2304, "INT4 page, d=64");
-static_assert(PageBytes(PageFormat::kInt8, 64) == 4224, "INT8 page, d=64");
-static_assert(PageBytes(PageFormat::kBf16, 64) == 8192, "BF16 page, d=64");
-static_assert(PageBytes(PageFormat::kInt4, 128) % 128 == 0 && PageBytes(PageFormat::kInt8, 128) % 128 == 0 &&
-                  PageBytes(PageFormat::kInt4, 64) % 128 == 0 && PageBytes(PageFormat::kInt8, 64) % 128 == 0,
-              "pages keep 128-byte alignment");
+// Calls fn(FormatTag<f>{}) and returns its result. The one runtime → compile-time dispatch over page
+// formats (ggml's exhaustive switch). REQUIRES: IsValidPageFormat(f) — callers validate formats that
+// come from outside (ValidateRanges); a page descriptor's format was validated when it was written.
+template <class Fn>
+KVPACK_HD constexpr decltype(auto) DispatchFormat(PageFormat f, Fn&& fn) {
+  static_assert(kNumPageFormats == 3, "a new PageFormat needs its case here (and its codecs)");
+  switch (f) {
+    case PageFormat::kInt4: return fn(FormatTag<PageFormat::kInt4>{});
+    case PageFormat::kInt8: return fn(FormatTag<PageFormat::kInt8>{});
+    case PageFormat::kBf16: break;
+  }
+  return fn(FormatTag<PageFormat::kBf16>{});  // (an invalid value, which REQUIRES rules out, lands here too)
+}
 
 struct Int4RowMeta {
   uint16_t scale;  // fp16 bits
@@ -251,58 +254,8 @@ KVPACK_HD inline void DecodeRowBf16(const uint16_t* codes, int head_dim, float* 
   for (int i = 0; i < head_dim; ++i) out[i] = Bf16ToFloat(codes[i]);
 }
 
-// Encodes row `slot` of a page in format f. `page` points at the page's first byte.
-KVPACK_HD inline void EncodePageRow(PageFormat f, const float* x, int head_dim, int slot, uint8_t* page) {
-  uint8_t* codes = page + slot * CodeBytesPerRow(f, head_dim);
-  uint8_t* meta = page + MetaOffset(f, head_dim) + slot * MetaBytesPerRow(f);
-  switch (f) {
-    case PageFormat::kInt4: {
-      Int4RowMeta m;
-      EncodeRowInt4(x, head_dim, codes, &m);
-      memcpy(meta, &m, sizeof(m));
-      break;
-    }
-    case PageFormat::kInt8: {
-      Int8RowMeta m;
-      EncodeRowInt8(x, head_dim, reinterpret_cast<int8_t*>(codes), &m);
-      memcpy(meta, &m, sizeof(m));
-      break;
-    }
-    case PageFormat::kBf16: {
-      uint16_t tmp[kMaxHeadDimCpu];
-      EncodeRowBf16(x, head_dim, tmp);
-      memcpy(codes, tmp, 2 * head_dim);
-      break;
-    }
-  }
-}
-
-// Decodes row `slot` of a page in format f into out[head_dim].
-KVPACK_HD inline void DecodePageRow(PageFormat f, const uint8_t* page, int head_dim, int slot, float* out) {
-  const uint8_t* codes = page + slot * CodeBytesPerRow(f, head_dim);
-  const uint8_t* meta = page + MetaOffset(f, head_dim) + slot * MetaBytesPerRow(f);
-  switch (f) {
-    case PageFormat::kInt4: {
-      Int4RowMeta m;
-      memcpy(&m, meta, sizeof(m));
-      DecodeRowInt4(codes, m, head_dim, out);
-      break;
-    }
-    case PageFormat::kInt8: {
-      Int8RowMeta m;
-      memcpy(&m, meta, sizeof(m));
-      DecodeRowInt8(reinterpret_cast<const int8_t*>(codes), m, head_dim, out);
-      break;
-    }
-    case PageFormat::kBf16: {
-      for (int i = 0; i < head_dim; ++i) {
-        uint16_t b;
-        memcpy(&b, codes + 2 * i, 2);
-        out[i] = Bf16ToFloat(b);
-      }
-      break;
-    }
-  }
-}
-
 }  // namespace kvpack
+
+// The codecs (sizes, row encode and decode per format) complete the format: every user of format.h
+// gets them. page_codec.h includes this file first, so either may be included alone.
+#include "kernels/page_codec.h"  // IWYU pragma: export

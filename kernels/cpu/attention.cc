@@ -9,6 +9,7 @@
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/format.h"
 #include "kernels/rotation.h"
+#include "kernels/visibility.h"
 
 namespace kvpack::cpu {
 namespace {
@@ -20,10 +21,6 @@ float Dot(const float* a, const float* b, int n) {
     for (int l = 0; l < kLanes; ++l) s[l] += a[i + l] * b[i + l];
   }
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
-}
-
-bool Visible(const PageDesc& page, int slot, int32_t seq_id, int64_t position, bool causal) {
-  return slot < page.n_valid && page.seq_id == seq_id && (!causal || page.token_begin + slot <= position);
 }
 
 }  // namespace
@@ -43,13 +40,7 @@ void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool cau
   std::fill(m, m + n, -std::numeric_limits<float>::infinity());
   std::fill(l, l + n, 0.0f);
   std::fill(acc, acc + n * d, 0.0f);
-  int32_t min_seq = tile.seq_ids[0], max_seq = tile.seq_ids[0];
-  int64_t max_pos = tile.positions[0];
-  for (int i = 1; i < n; ++i) {
-    min_seq = std::min(min_seq, tile.seq_ids[i]);
-    max_seq = std::max(max_seq, tile.seq_ids[i]);
-    max_pos = std::max(max_pos, tile.positions[i]);
-  }
+  const Visibility visibility{causal};
 
   // Main loop: one page of keys at a time.
   float k_page[kPageTokens * kMaxHeadDimCpu];  // [64, d] decoded K̂
@@ -57,8 +48,9 @@ void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool cau
   float p[kPageTokens];                        // one query's probabilities for the page
   for (int pg = 0; pg < kv.n_pages; ++pg) {
     const PageDesc& page = kv.pages[pg];
-    if (page.seq_id < min_seq || page.seq_id > max_seq) continue;
-    if (causal && page.token_begin > max_pos) continue;
+    bool seen = false;  // by some query of the tile (a page no query sees is skipped before its decode)
+    for (int i = 0; i < n && !seen; ++i) seen = visibility.PageVisibleToRun(page, tile.seq_ids[i], tile.positions[i]);
+    if (!seen) continue;
     const PageFormat format = static_cast<PageFormat>(page.format);
     const int64_t index = static_cast<int64_t>(head) * kv.n_pages + pg;
     const uint8_t* k_bytes = kv.pool + kv.k_offsets[index];
@@ -70,7 +62,7 @@ void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool cau
       const float* q = tile.q + i * d;
       float page_max = -std::numeric_limits<float>::infinity();
       for (int j = 0; j < valid; ++j) {
-        if (Visible(page, j, tile.seq_ids[i], tile.positions[i], causal)) {
+        if (visibility.KeyVisible(page, j, tile.seq_ids[i], tile.positions[i])) {
           p[j] = scale * Dot(q, k_page + j * d, d);
           page_max = std::max(page_max, p[j]);
         } else {

@@ -1,17 +1,17 @@
 // Dense attention over packed K/V pages (FlashAttention style), one kernel family, two kernels.
 //
 // A CTA takes one query tile (kTileQueries = 128 rows of one head) and streams the pages of that head
-// that its queries may see through shared memory: cp.async brings raw page bytes ahead of use; each
-// page is decoded (INT4 / INT8 / BF16, per page) to a bf16 tile in shared memory once; S = Q·Kᵀ and
-// O += P·V run on the tensor cores (bf16 in, fp32 accumulate) with the online softmax in fp32
-// registers. The epilogue un-rotates each output row (Rᵀ, fast Walsh–Hadamard in registers),
-// multiplies by λ_v, adds μ_v and writes bf16. Masking: slots past PageDesc::n_valid, keys of other sequences, and (causal)
-// keys after the query; pages that no query of the tile may see are skipped before they are loaded.
-//   attention_wgmma.cu (kWgmma, the default): Hopper's wgmma; two producer warp groups bulk-copy
+// that its queries may see through shared memory; each page is decoded (INT4 / INT8 / BF16, per page,
+// by the format's codec: page_codec.cuh) to a bf16 tile in shared memory once; S = Q·Kᵀ and O += P·V
+// run on the tensor cores (bf16 in, fp32 accumulate) with the online softmax in fp32 registers. The
+// epilogue un-rotates each output row (Rᵀ, fast Walsh–Hadamard in registers), multiplies by λ_v, adds
+// μ_v and writes bf16. Which keys a query sees is kernels/visibility.h's (slots past n_valid, other
+// sequences, causal); pages that no query of the tile may see are skipped before they are loaded.
+//   attention_sm90.cu (kWgmma, the default): Hopper's wgmma; two producer warp groups bulk-copy
 //     pages and decode K and V into a ring of swizzled tiles, two consumer warp groups of 64 rows
-//     multiply.
-//   attention.cu (kTall, kWide): mma.sync m16n8k16 from ldmatrix fragments; every warp decodes.
-// attention_device.cuh holds what both share (decode, visibility, the epilogue).
+//     multiply (FlashAttention-3's split: attention_sm90_*.cuh).
+//   attention_sm80_mma.cu (kTall, kWide): mma.sync m16n8k16 from ldmatrix fragments; every warp decodes.
+// attention_device.cuh holds what both share (tile scheduler, visibility, the output rows).
 //
 // Queries are the chunk's tokens: query i of the launch is token q_token_begin + i, with that
 // token's sequence id (looked up in the page table) and position (its token index).
@@ -24,6 +24,7 @@
 #include "kernels/error.h"
 #include "kernels/format.h"
 #include "kernels/layer_spec.h"
+#include "kernels/visibility.h"
 
 namespace kvpack::cuda {
 
@@ -46,7 +47,7 @@ struct AttentionParams {
   int64_t out_stride = 0;
   KvEntryView kv;                // device view (pages, offsets, μ_v, λ_v, seed, rotate)
   float softmax_scale = 0.0f;    // already resolved (1/√d when the option is 0)
-  bool causal = false;
+  Visibility visibility;         // which keys each query sees (kernels/visibility.h)
   int max_page_bytes = 0;        // largest page of the entry's formats (sizes the raw stages)
   AttentionTilingChoice tiling = AttentionTilingChoice::kAuto;
 };

@@ -1,12 +1,13 @@
-// Device pieces shared by the attention kernels (attention.cu: mma.sync tilings; attention_wgmma.cu:
+// Device pieces shared by the attention kernels (attention_sm80_mma.cu: mma.sync; attention_sm90.cu:
 // warp-specialised wgmma). Internal to kernels/cuda: include only from .cu files.
 //
-//   PTX wrappers          cp.async, shared-memory addresses, bf16 packing
-//   DecodeUnit            8 channels of one page row (INT4 / INT8 / BF16) → 8 bf16 in one uint4
-//   LoadPageAsync         a page's K and V bytes → a raw shared-memory stage (cp.async)
+//   SmemAddr              a shared-memory address for PTX
+//   QueryTileCoords       the tile scheduler: which query tile and head a CTA takes
 //   QueryRuns             sequence id of every query row and the runs of equal ids (visibility)
 //   CollectVisiblePages   the pages of a window that some query of the tile may see, in page order
+//                         (the dense policy of kernels/visibility.h)
 //   WriteOutputRows       the epilogue of one warp's rows: Rᵀ, ×λ_v, +μ_v, bf16 store
+// Page decode is the codecs' (page_codec.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,107 +18,39 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/warp_row.cuh"
 #include "kernels/format.h"
+#include "kernels/visibility.h"
 
 namespace kvpack::cuda {
 
-// ── PTX wrappers ────────────────────────────────────────────────────────────────────────────────
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SmemAddr(smem)), "l"(gmem));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
-// ── Page decode ─────────────────────────────────────────────────────────────────────────────────
-// Channels c8·8 … c8·8 + 7 of row r of a raw page (shared memory) in format F: LoadUnit reads the
-// bytes, ConvertUnit makes 8 bf16 of them exactly as format.h's reference decodes (fp32: lo + code·
-// scale with one rounding, or code·scale; then bf16 round to nearest even). Split so that a caller
-// can issue several units' loads before their stores. Integer codes become floats through the
-// exponent trick: the float with bits 0x4b000000 | c is 2^23 + c exactly (c < 2^23), so subtracting
-// 2^23 gives c without an integer conversion (a quarter-rate instruction on sm_90).
-template <PageFormat F>
-struct RawUnit {
-  uint4 bits;  // INT4: x = codes (8 nibbles), y = meta (scale | lo << 16); INT8: x, y = codes, z = scale; BF16: values
+// ── Tile scheduler ──────────────────────────────────────────────────────────────────────────────
+// One CTA per (query tile, head): blockIdx.x the tile of kTileQueries rows, blockIdx.y the head. Every
+// CTA of a dense launch takes about equally long, so the hardware's launch order is the schedule
+// (AttentionWaveRows sizes query chunks to whole waves).
+struct QueryTileCoords {
+  int head;
+  int64_t q0;      // first query of the tile (launch row)
+  int n_rows;      // its valid rows, 1 … kTileQueries
+  int64_t t0;      // token index (= position) of its first query
 };
-
-template <PageFormat F, int kDim>
-__device__ __forceinline__ RawUnit<F> LoadUnit(const uint8_t* raw, int r, int c8) {
-  RawUnit<F> u;
-  if constexpr (F == PageFormat::kInt4) {
-    u.bits.x = *reinterpret_cast<const uint32_t*>(raw + r * (kDim / 2) + c8 * 4);
-    u.bits.y = *reinterpret_cast<const uint32_t*>(raw + MetaOffset(PageFormat::kInt4, kDim) + r * 4);
-  } else if constexpr (F == PageFormat::kInt8) {
-    const uint2 codes = *reinterpret_cast<const uint2*>(raw + r * kDim + c8 * 8);
-    u.bits.x = codes.x, u.bits.y = codes.y;
-    u.bits.z = *reinterpret_cast<const uint16_t*>(raw + MetaOffset(PageFormat::kInt8, kDim) + r * 2);
-  } else {
-    u.bits = *reinterpret_cast<const uint4*>(raw + r * kDim * 2 + c8 * 16);
-  }
-  return u;
+__device__ __forceinline__ QueryTileCoords TileOfBlock(const AttentionParams& p) {
+  QueryTileCoords c;
+  c.head = blockIdx.y;
+  c.q0 = static_cast<int64_t>(blockIdx.x) * kTileQueries;
+  c.n_rows = static_cast<int>(p.n_q - c.q0 < kTileQueries ? p.n_q - c.q0 : kTileQueries);
+  c.t0 = p.q_token_begin + c.q0;
+  return c;
 }
-
-template <PageFormat F>
-__device__ __forceinline__ uint4 ConvertUnit(const RawUnit<F>& u) {
-  if constexpr (F == PageFormat::kBf16) return u.bits;
-  float v[8];
-  if constexpr (F == PageFormat::kInt4) {
-    const float scale = HalfBits(u.bits.y & 0xffffu), lo = HalfBits(u.bits.y >> 16);
-    const uint32_t even = u.bits.x & 0x0f0f0f0fu, odd = (u.bits.x >> 4) & 0x0f0f0f0fu;  // byte k: channel 2k / 2k+1
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      // bytes (code, 0, 0, 0x4b): 2^23 + code
-      v[2 * k] = fmaf(__uint_as_float(__byte_perm(even, 0x4b000000u, 0x7540 + k)) - 8388608.0f, scale, lo);
-      v[2 * k + 1] = fmaf(__uint_as_float(__byte_perm(odd, 0x4b000000u, 0x7540 + k)) - 8388608.0f, scale, lo);
-    }
-  } else {
-    const float scale = HalfBits(u.bits.z);
-    const uint32_t x = u.bits.x ^ 0x80808080u, y = u.bits.y ^ 0x80808080u;  // each byte: code + 128
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      v[k] = (__uint_as_float(__byte_perm(x, 0x4b000000u, 0x7540 + k)) - 8388736.0f) * scale;  // 2^23 + 128
-      v[4 + k] = (__uint_as_float(__byte_perm(y, 0x4b000000u, 0x7540 + k)) - 8388736.0f) * scale;
-    }
-  }
-  return make_uint4(PackBf16(v[0], v[1]), PackBf16(v[2], v[3]), PackBf16(v[4], v[5]), PackBf16(v[6], v[7]));
-}
-
-// One unit, zeros for rows at or past n_valid.
-template <PageFormat F, int kDim>
-__device__ __forceinline__ uint4 DecodeUnitOf(const uint8_t* raw, int n_valid, int r, int c8) {
-  if (r >= n_valid) return make_uint4(0, 0, 0, 0);
-  return ConvertUnit<F>(LoadUnit<F, kDim>(raw, r, c8));
-}
-
-template <int kDim>
-__device__ __forceinline__ uint4 DecodeUnit(const uint8_t* raw, PageFormat format, int n_valid, int r, int c8) {
-  switch (format) {
-    case PageFormat::kInt4: return DecodeUnitOf<PageFormat::kInt4, kDim>(raw, n_valid, r, c8);
-    case PageFormat::kInt8: return DecodeUnitOf<PageFormat::kInt8, kDim>(raw, n_valid, r, c8);
-    default: return DecodeUnitOf<PageFormat::kBf16, kDim>(raw, n_valid, r, c8);
-  }
-}
-
-// Starts the copy of one page's K and V bytes into a raw stage (K at 0, V at max_page_bytes); thread
-// `tid` of kThreads copies every kThreads-th 16-byte piece.
-template <int kThreads, int kDim>
-__device__ __forceinline__ void LoadPageAsync(const AttentionParams& p, int head, int page, uint8_t* stage, int tid) {
-  const int bytes = PageBytes(static_cast<PageFormat>(p.kv.pages[page].format), kDim);
-  const int64_t slot = static_cast<int64_t>(head) * p.kv.n_pages + page;
-  const uint8_t* k_src = p.kv.pool + p.kv.k_offsets[slot];
-  const uint8_t* v_src = p.kv.pool + p.kv.v_offsets[slot];
-  for (int i = tid * 16; i < bytes; i += kThreads * 16) {
-    CpAsync16(stage + i, k_src + i);
-    CpAsync16(stage + p.max_page_bytes + i, v_src + i);
-  }
+inline dim3 AttentionGrid(const AttentionParams& p) {
+  return dim3(static_cast<unsigned>((p.n_q + kTileQueries - 1) / kTileQueries), static_cast<unsigned>(p.kv.n_heads));
 }
 
 // ── Visibility ──────────────────────────────────────────────────────────────────────────────────
 // The query rows of a tile as runs of equal sequence id (rows are consecutive tokens, so a tile meets
-// few sequences): a page is visible when its sequence is one of the runs' and (causal) it starts at or
-// before the run's last token.
+// few sequences): a page is visible when it is visible to one of the runs (Visibility::PageVisibleToRun).
 struct QueryRuns {
   int q_seq[kTileQueries];   // sequence id of each query row (padding rows repeat the last real row)
   int seq[kTileQueries];     // run i: sequence id …
@@ -170,7 +103,7 @@ __device__ int CollectVisiblePages(const AttentionParams& p, const QueryRuns& ru
     const PageDesc page = p.kv.pages[w0 + idx];
     bool visible = false;
     for (int e = 0; e < entries && !visible; ++e) {
-      visible = page.seq_id == runs.seq[e] && (!p.causal || page.token_begin <= runs.last[e]);
+      visible = p.visibility.PageVisibleToRun(page, runs.seq[e], runs.last[e]);
     }
     if (visible) mine |= 1u << i, ++count;
   }

@@ -308,7 +308,7 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
   a.kv = kv;
   a.softmax_scale = c.attention.softmax_scale > 0.0f ? c.attention.softmax_scale
                                                       : 1.0f / std::sqrt(static_cast<float>(c.shape.head_dim));
-  a.causal = c.attention.causal;
+  a.visibility.causal = c.attention.causal;
   a.max_page_bytes = MaxPageBytes(c);
   a.tiling = ctx.attention_tiling;
 

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/page_codec.cuh"
 #include "kernels/cuda/warp_row.cuh"
 
 namespace kvpack::cuda {
@@ -51,77 +52,6 @@ __device__ void ApplyRope(float (&x)[kPerLane], float* buf, int lane, const RowE
                  : __fadd_rn(__fmul_rn(other, s), __fmul_rn(x[i], co));
   }
   __syncwarp();
-}
-
-// RN(1/15) and RN(1/127): the encoders' divisions by 15 and 127 through DivideByReciprocal.
-constexpr float kInv15 = 1.0f / 15.0f, kInv127 = 1.0f / 127.0f;
-
-// RN(1/s) of a positive half value s (2^-24 … 65504), as __frcp_rn: the approximate reciprocal and one
-// Newton step, the operations of __frcp_rn's fast path, which rounds correctly wherever the reciprocal
-// is a normal float — always for a half — so without its range check and slow-path branch.
-__device__ __forceinline__ float ReciprocalOfHalf(float s) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(s));
-  return fmaf(fmaf(-s, r, 1.0f), r, r);
-}
-
-// Quantizes one rotated row into `slot` of `page` (format.h encoders, lane-parallel, the same
-// roundings: conversions by the hardware, divisions by DivideByReciprocal). Each format's branch
-// places its row with its own compile-time sizes.
-template <int kPerLane>
-__device__ void StorePageRow(const float (&x)[kPerLane], int lane, PageFormat format, int slot, uint8_t* page) {
-  constexpr int kDim = 32 * kPerLane;
-  if (format == PageFormat::kInt4) {
-    constexpr PageFormat F = PageFormat::kInt4;
-    uint8_t* codes = page + slot * CodeBytesPerRow(F, kDim);
-    uint8_t* meta = page + MetaOffset(F, kDim) + slot * MetaBytesPerRow(F);
-    float mn = x[0], mx = x[0];
-#pragma unroll
-    for (int i = 1; i < kPerLane; ++i) mn = fminf(mn, x[i]), mx = fmaxf(mx, x[i]);
-    mn = WarpMin(mn), mx = WarpMax(mx);
-    const uint16_t scale_bits = FloatToHalfBits(ClampToHalfRange(DivideByReciprocal(mx - mn, 15.0f, kInv15)));
-    const uint16_t lo_bits = FloatToHalfBits(ClampToHalfRange(mn));
-    const float scale = HalfBits(scale_bits), lo = HalfBits(lo_bits);
-    const float inv = scale > 0.0f ? ReciprocalOfHalf(scale) : 0.0f;
-    uint32_t packed = 0;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {  // rint then clamp to [0, 15], as integers
-      const int c = min(max(__float2int_rn(__fmul_rn(x[i] - lo, inv)), 0), 15);
-      packed |= static_cast<uint32_t>(c) << (4 * i);  // channel 2j low nibble, 2j+1 high nibble
-    }
-    if constexpr (kPerLane == 4) {
-      *reinterpret_cast<uint16_t*>(codes + 2 * lane) = static_cast<uint16_t>(packed);
-    } else {
-      codes[lane] = static_cast<uint8_t>(packed);
-    }
-    if (lane == 0) *reinterpret_cast<uint32_t*>(meta) = scale_bits | (static_cast<uint32_t>(lo_bits) << 16);
-  } else if (format == PageFormat::kInt8) {
-    constexpr PageFormat F = PageFormat::kInt8;
-    uint8_t* codes = page + slot * CodeBytesPerRow(F, kDim);
-    uint8_t* meta = page + MetaOffset(F, kDim) + slot * MetaBytesPerRow(F);
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) amax = fmaxf(amax, fabsf(x[i]));
-    amax = WarpMax(amax);
-    const uint16_t scale_bits = FloatToHalfBits(ClampToHalfRange(DivideByReciprocal(amax, 127.0f, kInv127)));
-    const float scale = HalfBits(scale_bits);
-    const float inv = scale > 0.0f ? ReciprocalOfHalf(scale) : 0.0f;
-    uint32_t packed = 0;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = min(max(__float2int_rn(__fmul_rn(x[i], inv)), -127), 127);
-      packed |= (static_cast<uint32_t>(c) & 0xffu) << (8 * i);
-    }
-    if constexpr (kPerLane == 4) {
-      *reinterpret_cast<uint32_t*>(codes + 4 * lane) = packed;
-    } else {
-      *reinterpret_cast<uint16_t*>(codes + 2 * lane) = static_cast<uint16_t>(packed);
-    }
-    if (lane == 0) *reinterpret_cast<uint16_t*>(meta) = scale_bits;
-  } else {
-    uint8_t* codes = page + slot * CodeBytesPerRow(PageFormat::kBf16, kDim);
-    StoreBf16(reinterpret_cast<uint16_t*>(codes) + kPerLane * lane, x);
-  }
 }
 
 // The page that holds one token, found once and kept while the warp's tokens stay inside it.

@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# Everything kvpack runs on the H200, in one call per session where possible (device time is short).
+# At most 8 files come back from $OUT: logs are tarred into logs.tgz; summary.txt ends with the tables.
+#
+#   OUT=$OUT [options] bash bench/h200.sh kernels            # build the kernels there, GPU tests, timings
+#   OUT=$OUT [options] bash bench/h200.sh daemon BUNDLE      # the daemon suite from a bundle built here
+#   OUT=$OUT [options] bash bench/h200.sh kernels daemon BUNDLE
+#
+# kernels: CMake + nvcc on the H200 (no server: it has no gRPC), with GoogleTest from .carry/googletest
+#   (KVPACK_GTEST_SOURCE_DIR); ptxas registers/spills and the sm90 kernel's SASS counts; the gpu-labelled
+#   ctest (cuda_layer_test prints per case a digest of the packed block and the output); bench_layer at
+#   N = 32768 (56×128 INT4 / INT8 / BF16, 112×64 INT4) with --digest, a table last.
+#     BASE=tree        a baseline tree (e.g. .wt/base from `git archive`): built and run the same way in
+#                      the same run; its digests are compared with this tree's (DIGESTS: same / DIFFER)
+#     EXPERIMENTS="nodecode noexp nopingpong"  this tree built with -DKVPACK_SM90_EXPERIMENT=… (timing only)
+#     TORCH=1          PyTorch (x·Wᵀ + SDPA cuDNN / FlashAttention) on the same inputs, errors vs FP32
+#     H3=1             the MiniMax H3 layer (N = 152,263) too
+#     SANITIZE=1       compute-sanitizer memcheck over small layer cases
+#     PROFILE=1        Nsight Compute of one INT4 attention launch (+ bench/sass_profile.py)
+#     EPI_PROFILE=1    Nsight Compute of one K/V row-epilogue launch
+#     TQ_SWEEP="4096" / TP_SWEEP="2048 8192"   the INT4 layer at other query / projection chunks
+# daemon: from `shared/tools/bundle-binaries BUNDLE kvpackd daemon_ipc_bench bench_layer cuda_daemon_test
+#   cuda_layer_test cuda_interleave_test`: the CUDA kernel and daemon tests, one layer through kvpackd with
+#   CUDA IPC next to the same layer called directly (N = 32768 and H3, in place too), the chunk-interleaving
+#   test, and (WHEELS=.whl: grpcio/protobuf/pytest wheels) the Python CUDA-IPC tests of kvpack.torch.
+set -uo pipefail
+OUT=${OUT:-/tmp/kvpack-h200}
+mkdir -p "$OUT" /tmp/h200-logs
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+LOGS=/tmp/h200-logs
+SUMMARY="$OUT/summary.txt"
+export PYTHONUNBUFFERED=1
+say() { echo "$*" | tee -a "$SUMMARY"; }
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv,noheader
+  nvcc --version | tail -1; } | tee "$SUMMARY"
+finish() { tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
+trap finish EXIT
+
+# ── kernels ─────────────────────────────────────────────────────────────────────────────────────────
+build_tree() {  # tree build_dir [cmake args...]: kernels, the CUDA layer test, bench_layer
+  local tree=$1 dir=$2; shift 2
+  local gtest=${KVPACK_GTEST_SOURCE_DIR:-$(realpath "$ROOT/.carry/googletest" 2>/dev/null)}
+  cmake -S "$tree" -B "$dir" -G Ninja -DKVPACK_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release \
+    -DKVPACK_GTEST_SOURCE_DIR="$gtest" "$@" >"$dir.log" 2>&1 &&
+    ninja -C "$dir" -j16 kvpack_cuda cuda_layer_test bench_layer >>"$dir.log" 2>&1
+}
+bench() {  # label build_dir n heads dim format [bench_layer flags]
+  timeout 120 "$2/bench/bench_layer" --n=$3 --hidden=7168 --heads=$4 --dim=$5 --format=$6 --tiling=wgmma --gemm=0 \
+    --reps=2 --digest=1 ${7:-} 2>>"$LOGS/bench.err" | sed "s/^{/{\"tree\": \"$1\", /" >>"$OUT/times.jsonl"
+}
+sass_counts() {  # object: instruction counts of the sm90 kernel
+  cuobjdump --dump-sass "$1" >"$1.sass" 2>/dev/null
+  echo "$(grep -c HGMMA "$1.sass") HGMMA, $(grep -cE 'LDL|STL' "$1.sass") LDL/STL, $(grep -c 'BAR\.' "$1.sass") BAR, $(grep -cE '^ +/\*[0-9a-f]+\*/' "$1.sass") instructions"
+}
+run_kernels() {
+  build_tree "$ROOT" /tmp/kb-new & local new=$!
+  local base_pid="" exp_pids=()
+  [[ -n "${BASE:-}" ]] && { build_tree "$ROOT/$BASE" /tmp/kb-base & base_pid=$!; }
+  for e in ${EXPERIMENTS:-}; do build_tree "$ROOT" "/tmp/kb-$e" -DKVPACK_SM90_EXPERIMENT="$e" & exp_pids+=($!); done
+  wait $new || { grep -B2 -A8 -m5 error /tmp/kb-new.log | tee -a "$SUMMARY"; return 1; }
+  [[ -n "$base_pid" ]] && { wait "$base_pid" || { grep -B2 -A8 -m5 error /tmp/kb-base.log | tee -a "$SUMMARY"; return 1; }; }
+  cp /tmp/kb-*.log "$LOGS/" 2>/dev/null
+  for t in new ${BASE:+base}; do
+    say "[$t] ptxas: $(grep -A2 -E 'Attention(Sm90|Wgmma)Kernel' /tmp/kb-$t.log | grep -oE '[0-9]+ bytes spill stores|Used [0-9]+ registers' | sort | uniq -c | tr '\n' ' ')"
+    local obj; obj=$(ls /tmp/kb-$t/kernels/cuda/CMakeFiles/kvpack_cuda.dir/attention_{sm90,wgmma}.cu.o 2>/dev/null | head -1)
+    [[ -n "$obj" ]] && say "[$t] sm90 SASS: $(sass_counts "$obj")"
+  done
+  for t in new ${BASE:+base}; do
+    (cd /tmp/kb-$t && ctest -L gpu --output-on-failure -j1 --timeout 300) >"$LOGS/tests-$t.log" 2>&1
+    say "[$t] ctest -L gpu exit $?: $(grep -E 'tests passed|tests failed' "$LOGS/tests-$t.log")"
+    grep -h "digest block" /tmp/kb-$t/Testing/Temporary/LastTest.log "$LOGS/tests-$t.log" 2>/dev/null | sort -u >"$LOGS/digests-$t.txt"
+  done
+  grep -E "FAILED|Expected|Which is" "$LOGS/tests-new.log" | head -20 | tee -a "$SUMMARY"
+  if [[ -n "${BASE:-}" ]]; then
+    if [[ -s "$LOGS/digests-new.txt" ]] && diff -q "$LOGS/digests-new.txt" "$LOGS/digests-base.txt" >/dev/null; then
+      say "DIGESTS (cuda_layer_test, $(wc -l <"$LOGS/digests-new.txt") cases × kernels): same"
+    else
+      say "DIGESTS (cuda_layer_test): DIFFER"; diff "$LOGS/digests-base.txt" "$LOGS/digests-new.txt" | head -20 | tee -a "$SUMMARY"
+    fi
+  fi
+  rm -f "$OUT/times.jsonl"
+  for shape in "56 128 int4" "56 128 int8" "56 128 bf16" "112 64 int4"; do
+    bench new /tmp/kb-new 32768 $shape
+    [[ -n "${BASE:-}" ]] && bench base /tmp/kb-base 32768 $shape
+  done
+  [[ -n "${BASE:-}" ]] && bench new2 /tmp/kb-new 32768 56 128 int4  # the spread of one tree between calls
+  for pid in "${exp_pids[@]}"; do wait "$pid" || say "an experiment build failed"; done
+  for e in ${EXPERIMENTS:-}; do for f in int4 bf16; do bench "$e" "/tmp/kb-$e" 32768 56 128 $f; done; done
+  for tq in ${TQ_SWEEP:-}; do bench "tq$tq" /tmp/kb-new 32768 56 128 int4 "--tq=$tq"; done
+  for tp in ${TP_SWEEP:-}; do bench "tp$tp" /tmp/kb-new 32768 56 128 int4 "--gemm=1 --tp=$tp"; done
+  if [[ -n "${TORCH:-}" ]]; then
+    bench new /tmp/kb-new 32768 56 128 int4 "--gemm=1 --rows_out=/tmp/rows_32768_128_int4_0.bin"
+    [[ -n "${H3:-}" ]] && bench new /tmp/kb-new 152263 56 128 int4 "--gemm=1 --rows_out=/tmp/rows_152263_128_int4_0.bin"
+    grep '"unchunked_gemm_ms": [1-9]' "$OUT/times.jsonl" >/tmp/torch_shapes.jsonl
+    timeout 300 python3 "$ROOT/bench/torch_baseline.py" --kvpack /tmp/torch_shapes.jsonl --rows_dir /tmp \
+      --out "$OUT/torch.jsonl" 2>>"$LOGS/torch.err" | tee -a "$SUMMARY"
+  elif [[ -n "${H3:-}" ]]; then
+    bench new /tmp/kb-new 152263 56 128 int4 --gemm=1
+  fi
+  if [[ -n "${SANITIZE:-}" ]]; then
+    timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 /tmp/kb-new/tests/kernels/cuda_layer_test \
+      --gtest_filter='*Int4OneSequence*:*MixedFormatsSequences*:*Bf16Causal*:*MixedFormatsWide*' >"$LOGS/sanitizer.log" 2>&1
+    say "compute-sanitizer memcheck exit $?: $(grep 'ERROR SUMMARY' "$LOGS/sanitizer.log" | tail -1)"
+  fi
+  local ncu; ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  if [[ -n "${PROFILE:-}" && -n "$ncu" ]]; then
+    timeout 200 "$ncu" --kernel-name regex:AttentionSm90 --launch-count 1 --import-source no \
+      --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
+      --section SchedulerStats -o /tmp/prof /tmp/kb-new/bench/bench_layer --n=16384 --hidden=7168 --heads=56 --dim=128 \
+      --format=int4 --tiling=wgmma --gemm=0 --reps=1 >>"$LOGS/ncu.log" 2>&1
+    "$ncu" --import /tmp/prof.ncu-rep --print-details all >"$OUT/details.txt" 2>&1
+    "$ncu" --import /tmp/prof.ncu-rep --page source --csv --print-source sass >/tmp/sass.csv 2>>"$LOGS/ncu.log"
+    python3 "$ROOT/bench/sass_profile.py" /tmp/sass.csv --ctas $((32 * 56)) --pages 256 | tee -a "$SUMMARY"
+    gzip -c /tmp/sass.csv >"$OUT/sass.csv.gz"
+  fi
+  if [[ -n "${EPI_PROFILE:-}" && -n "$ncu" ]]; then
+    timeout 120 "$ncu" --kernel-name regex:RowEpilogueKernel --launch-skip 1 --launch-count 1 --import-source no \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section InstructionStats --section SourceCounters --section SchedulerStats \
+      -o /tmp/epi /tmp/kb-new/bench/bench_layer --n=8192 --hidden=7168 --heads=56 --dim=128 --format=int4 \
+      --tiling=wgmma --gemm=0 --reps=1 >>"$LOGS/ncu.log" 2>&1
+    "$ncu" --import /tmp/epi.ncu-rep --print-details all >"$OUT/epi_details.txt" 2>&1
+  fi
+  python3 - "$OUT/times.jsonl" <<'PY' | tee -a "$SUMMARY"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print(f"{'tree':8} {'N':>7} {'shape':>7} {'fmt':5} {'layer ms':>9} {'attn ms':>9} {'TFLOP/s':>8} {'kv epi':>7} {'q epi':>6}  digests (kv, out)")
+for r in rows:
+    print(f"{r['tree']:8} {r['n']:7d} {str(r['heads'])+'x'+str(r['dim']):>7} {r['format']:5} {r['layer_ms']:9.1f} "
+          f"{r['attention_ms']:9.2f} {r['attention_tflops']:8.1f} {r['kv_epilogue_ms']:7.2f} {r['q_epilogue_ms']:6.2f}  "
+          f"{r.get('kv_digest', '-')} {r.get('out_digest', '-')}")
+keys = {}
+for r in rows:
+    keys.setdefault((r['n'], r['heads'], r['dim'], r['format'], r['tq'], r['tp']), {})[r['tree']] = r
+same = [k for k, t in keys.items() if 'new' in t and 'base' in t]
+if same:
+    equal = sum(t['new'].get('out_digest') == t['base'].get('out_digest') and
+                t['new'].get('kv_digest') == t['base'].get('kv_digest') for k, t in keys.items() if k in same)
+    print(f"bench_layer digests, new vs base: {equal} of {len(same)} shapes identical")
+PY
+}
+
+# ── daemon ──────────────────────────────────────────────────────────────────────────────────────────
+run_daemon() {
+  local B; B=$(cd "${1:?daemon mode needs a bundle dir}" && pwd)
+  export KVPACKD="$B/bin/kvpackd"
+  export LD_LIBRARY_PATH="$B/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  for t in cuda_layer_test cuda_daemon_test cuda_interleave_test; do
+    [[ -x "$B/bin/$t" ]] || continue
+    timeout 300 "$B/bin/$t" >"$LOGS/$t.log" 2>&1
+    say "$t exit $?: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$LOGS/$t.log" | tr '\n' ' ')"
+  done
+  "$KVPACKD" --backend=cuda --listen=127.0.0.1:50551 --metrics_address=127.0.0.1:9464 --vram_budget=48Gi \
+    >"$LOGS/kvpackd.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 1 200); do grep -q "listening on" "$LOGS/kvpackd.log" && break; sleep 0.05; done
+  head -3 "$LOGS/kvpackd.log" | tee -a "$SUMMARY"
+  local cases=("--n=32768 --in_place=0" "--n=152263 --in_place=0" "--n=152263 --in_place=1")
+  for args in "${cases[@]}"; do
+    "$B/bin/daemon_ipc_bench" --server=127.0.0.1:50551 --hidden=7168 --heads=56 --dim=128 --format=int4 --reps=2 $args \
+      2>>"$LOGS/daemon_bench.err" | tee -a "$OUT/daemon.jsonl"
+  done
+  curl -s http://127.0.0.1:9464/metrics | grep -E '^kvpack_(pool|gpu|requests_total)' >"$LOGS/metrics.txt"
+  kill -TERM $pid; wait $pid
+  say "kvpackd exit $? after SIGTERM"
+  for args in "${cases[@]}"; do
+    "$B/bin/bench_layer" --hidden=7168 --heads=56 --dim=128 --format=int4 --reps=2 --gemm=0 $args \
+      2>>"$LOGS/direct.err" | tee -a "$OUT/direct.jsonl"
+  done
+  if [[ -n "${WHEELS:-}" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$ROOT/$WHEELS"/*.whl \
+      >"$LOGS/pytest.log" 2>&1
+    PYTHONPATH=/tmp/site:$ROOT/client/python timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
+      "$ROOT/client/python/tests/test_torch_projected.py" "$ROOT/client/python/tests/test_projected.py" >>"$LOGS/pytest.log" 2>&1
+    say "pytest (kvpack.torch CUDA IPC) exit $?: $(tail -1 "$LOGS/pytest.log")"
+  fi
+}
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    kernels) run_kernels; shift ;;
+    daemon) run_daemon "${2:?daemon BUNDLE}"; shift 2 ;;
+    *) echo "h200.sh: unknown mode $1 (kernels | daemon BUNDLE)"; exit 2 ;;
+  esac
+done

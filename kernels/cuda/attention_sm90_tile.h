@@ -1,0 +1,91 @@
+// Tile configuration of the sm90 attention kernel (attention_sm90.cu): warp roles, register split,
+// stages and the shared-memory plan, as compile-time constants with the asserts that hold them
+// together, and the one function that chooses an instance for (head_dim, largest page).
+//
+// A CTA of four warp groups takes kTileQueries = 128 query rows of one head:
+//   groups 0, 1  producers (attention_sm90_producer.cuh): bulk-copy raw pages, decode them into tiles
+//   groups 2, 3  consumers (attention_sm90_consumer.cuh): 64 query rows each, wgmma and the softmax
+// Shared memory (dynamic, from a 1024-byte aligned base, as the 128-byte swizzle needs):
+//   Q      [2 groups][64 rows][kDim]   bf16, swizzled     kQBytes
+//   K      [kStages][64 keys][kDim]    bf16, swizzled     kStages · kTileBytes
+//   V      [kStages][64 keys][kDim]    bf16, swizzled     kStages · kTileBytes
+//   raw    [kRawStages][K page | V page]                  kRawStages · 2 · max_page_bytes
+// The epilogue stages float rows [128][kDim + 4] over Q, K and V once every MMA is done.
+#pragma once
+
+#include "kernels/cuda/attention.h"
+#include "kernels/format.h"
+
+#ifndef KVPACK_SM90_EXPERIMENT
+#define KVPACK_SM90_EXPERIMENT 0
+#endif
+
+namespace kvpack::cuda {
+
+// Timing experiments (CMake -DKVPACK_SM90_EXPERIMENT=nodecode|noexp|nopingpong): one part of the
+// kernel removed to see what limits it (bench/h200.sh EXPERIMENTS=...). kNoDecode and kNoExp give
+// wrong outputs and exist for timing only; kNoPingPong is a correct kernel.
+enum class Sm90Experiment { kNone = 0, kNoDecode = 1, kNoExp = 2, kNoPingPong = 3 };
+inline constexpr Sm90Experiment kSm90Experiment = static_cast<Sm90Experiment>(KVPACK_SM90_EXPERIMENT);
+
+template <int kDimT, int kStagesT>
+struct Sm90Tile {
+  static constexpr int kDim = kDimT;
+  static_assert(kDim == 64 || kDim == 128, "head_dim 64 or 128");
+  static constexpr int kConsumerGroups = 2;
+  static constexpr int kGroupRows = 64;  // wgmma M
+  static_assert(kConsumerGroups * kGroupRows == kTileQueries, "consumer groups cover the query tile");
+  // Two producer groups, so a scheduler holds two producer warps whose latencies hide each other's
+  // (with one, the producer limited the kernel); both decode half of each tile.
+  static constexpr int kProducerGroups = 2;
+  static constexpr int kProducerThreads = 128 * kProducerGroups;
+  static constexpr int kThreads = kProducerThreads + 128 * kConsumerGroups;
+  // Registers per thread after setmaxnreg: the decode needs few, the consumers' S tiles, O and P
+  // many: 256·56 + 256·200 = 65536, the register file (the launch's 512·128).
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 200;
+  static_assert(kProducerThreads * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <= 65536,
+                "register file");
+  static constexpr int kStages = kStagesT;  // decoded K/V tiles in flight: 4 where shared memory allows, else 2
+  static constexpr int kRawStages = 3;      // raw pages in flight (one being decoded, two arriving)
+  static constexpr int kTileBytes = kPageTokens * kDim * 2;
+  static constexpr int kQBytes = kTileQueries * kDim * 2;
+  static constexpr int kKOffset = kQBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
+  static constexpr int kRawOffset = kVOffset + kStages * kTileBytes;
+  static constexpr int kAlign = 1024;  // the swizzle pattern repeats every 8 rows × 128 bytes
+  static constexpr int kStagePitch = kDim + 4;
+  static_assert(kTileQueries * kStagePitch * 4 <= kRawOffset, "epilogue staging fits over Q, K and V");
+  static_assert(kTileBytes % kAlign == 0 && kQBytes % kAlign == 0, "tiles keep the swizzle alignment");
+  static constexpr int kWindow = 3072;  // pages examined per visibility pass
+  // Named barriers (0 is __syncthreads).
+  static constexpr int kProducerBar = 1;
+  static constexpr int kEmptyBar = 2;                   // + s: consumers are done with stage s
+  static constexpr int kTurnBar = kEmptyBar + kStages;  // + c: consumer group c may issue its MMAs
+  static_assert(kTurnBar + kConsumerGroups <= 16, "16 hardware barriers");
+  // The deep ring (≥ 3 stages) overlaps S(i+1) and P(i)·V with the next softmax and lets the two
+  // consumer groups take turns to issue (ping-pong); two stages serialise them.
+  static constexpr bool kDeepRing = kStages >= 3;
+  static constexpr bool kPingPong = kDeepRing && kSm90Experiment != Sm90Experiment::kNoPingPong;
+};
+
+template <int kDim, int kStages>
+constexpr int Sm90DynamicSmem(int max_page_bytes) {
+  using T = Sm90Tile<kDim, kStages>;
+  return T::kAlign + T::kRawOffset + T::kRawStages * 2 * max_page_bytes;
+}
+
+// Four decoded stages where they fit beside the static shared memory (~9 KB) in the 227 KB of an
+// SM: every format at d = 64, INT4 and INT8 at d = 128; BF16 pages at d = 128 take two. (The
+// consumers hold two pages — S(i+1) runs while page i is in P·V — and hand a page back mid-way
+// through the next, so with three stages the producer had half a page's time to decode each.)
+inline constexpr int kSm90MaxDynamicSmem = 216 * 1024;
+inline constexpr int kSm90DeepStages = 4;
+template <int kDim>
+constexpr int Sm90Stages(int max_page_bytes) {
+  return Sm90DynamicSmem<kDim, kSm90DeepStages>(max_page_bytes) <= kSm90MaxDynamicSmem ? kSm90DeepStages : 2;
+}
+static_assert(Sm90DynamicSmem<64, kSm90DeepStages>(PageBytes(PageFormat::kBf16, 64)) <= kSm90MaxDynamicSmem,
+              "d = 64 takes four stages with any page (so it has no two-stage instance)");
+
+}  // namespace kvpack::cuda

@@ -1,0 +1,42 @@
+// Which keys a query sees: the one definition the CPU reference and every CUDA attention kernel share
+// (host and device). Queries are tokens of the packed sequence; a query at position t (its token index)
+// of sequence s sees key slot j of page P when
+//   j < P.n_valid                       the slot holds a token
+//   P.seq_id == s                       same sequence (block-diagonal attention, like varlen FlashAttention)
+//   causal ⇒ P.token_begin + j ≤ t      not a future key
+// Kernels work per (query tile, key page): a page is visited when some query of the tile sees one of its
+// keys (PageVisibleToRun over the tile's runs of equal sequence id), and masked key by key (KeyVisible)
+// only where PageNeedsMask says some key of it may be hidden from some query of the tile.
+//
+// The dense policy enumerates visible pages from these rules (cuda/attention_device.cuh
+// CollectVisiblePages, cpu/attention.cc AttendTile). A routed (block-sparse) policy is another
+// enumerator — a page list per query tile — over the same KeyVisible masks, not another copy of them.
+// cpu/reference.cc keeps its own token-level rule on purpose: the FP64 reference the kernels are
+// checked against must not share their definition.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/format.h"
+
+namespace kvpack {
+
+struct Visibility {
+  bool causal = false;
+
+  // Key slot `slot` of `page` for a query of sequence q_seq at position q_pos.
+  KVPACK_HD bool KeyVisible(const PageDesc& page, int slot, int32_t q_seq, int64_t q_pos) const {
+    return slot < page.n_valid && page.seq_id == q_seq && (!causal || page.token_begin + slot <= q_pos);
+  }
+  // Some key of `page` for some query of sequence `seq` at a position ≤ last_pos (a run of the tile).
+  KVPACK_HD bool PageVisibleToRun(const PageDesc& page, int32_t seq, int64_t last_pos) const {
+    return page.seq_id == seq && (!causal || page.token_begin <= last_pos);
+  }
+  // False when every key of `page` is visible to every query of a tile that it is visible to at all:
+  // a full page, a tile of one sequence, and (causal) no key after the tile's first query at first_pos.
+  KVPACK_HD bool PageNeedsMask(const PageDesc& page, bool one_sequence, int64_t first_pos) const {
+    return page.n_valid < kPageTokens || !one_sequence || (causal && page.token_begin + page.n_valid - 1 > first_pos);
+  }
+};
+
+}  // namespace kvpack
