@@ -20,7 +20,7 @@ identity weight: 3× the data and an identity GEMM) is kept for daemons older th
 
 import logging
 import threading
-import weakref
+import time
 
 import grpc
 import numpy as np
@@ -264,15 +264,18 @@ def _uuid_text(uuid):
 
 
 class CudaIpcRegions:
-    """CUDA tensors' storages as CUDA IPC regions of one daemon: one region per storage,
-    registered on first use and unregistered when the storage dies (weakref.finalize).
-    `reaches(t)` says whether t sits on the daemon's GPU (Status.device_uuid against
-    torch.cuda.get_device_properties(...).uuid). Thread-safe."""
+    """CUDA tensors as slices of CUDA IPC regions of one daemon: one region per cudaMalloc segment
+    of PyTorch's caching allocator (kvpack.cuda_segments.SegmentRegions), registered on first use
+    and addressed by offset, so steady-state calls register nothing. `sweep()` unregisters the
+    segments freed since (torch.cuda.empty_cache()); a segment freed and reallocated at the same
+    address is a new region, never the old one. `reaches(t)` says whether t sits on the daemon's
+    GPU (Status.device_uuid against torch.cuda.get_device_properties(...).uuid). Thread-safe."""
 
-    def __init__(self, client):
+    def __init__(self, client, *, driver=None):
         self.client = client
-        self._lock = threading.RLock()      # a finalizer may run inside the lock (GC)
-        self._by_storage = {}               # storage data_ptr -> (weakref, region_id, base offset)
+        self._driver = driver
+        self._lock = threading.Lock()
+        self._segments = None               # SegmentRegions, made on first use
         self._daemon = None                 # (uuid, ordinal), or () when it serves no GPU
 
     def daemon_device(self):
@@ -290,58 +293,31 @@ class CudaIpcRegions:
         props = torch.cuda.get_device_properties(t.device)
         return _uuid_text(getattr(props, "uuid", "")) == daemon[0]
 
+    @property
+    def segments(self):
+        with self._lock:
+            if self._segments is None:
+                from kvpack.cuda_segments import SegmentRegions
+                self._segments = SegmentRegions(self.client, self.daemon_device()[1],
+                                                driver=self._driver)
+            return self._segments
+
+    @property
+    def registrations(self):
+        """RegisterRegion calls made so far (0 per call in steady state)."""
+        return self._segments.registrations if self._segments is not None else 0
+
     def slice(self, t, nbytes):
         """The RegionSlice of `nbytes` starting at t's first element."""
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        with self._lock:
-            entry = self._by_storage.get(key)
-            if entry is None or entry[0]() is not storage:
-                entry = self._register(storage, key)
-                self._by_storage[key] = entry
-        return RegionSlice(entry[1], entry[2] + t.storage_offset() * t.element_size(), nbytes)
+        return self.segments.slice(t.data_ptr(), nbytes)
 
-    def _register(self, storage, key):
-        _, handle, size, offset, rc_handle, rc_offset = storage._share_cuda_()[:6]
-        # Sharing arms PyTorch's IPC reference counter (set to 1 for one consumer process); kvpackd
-        # does not speak that protocol, so release it here, or the block would stay in PyTorch's
-        # "limbo" after the storage dies. The region is unregistered before the memory is reused.
-        release = getattr(torch.UntypedStorage, "_release_ipc_counter_cuda", None)
-        if release is not None and rc_handle:
-            release(rc_handle, rc_offset)
-        handle = bytes(handle)
-        if len(handle) == 66 and handle[1:2] == b"c":
-            # PyTorch 2.x wraps the handle: a version byte, a kind byte ('c': cudaMalloc, 'e':
-            # expandable segment), then the kind's payload — for 'c' the 64-byte cudaIpcMemHandle_t
-            # (seen as 66 bytes with PyTorch 2.11 on the H200).
-            handle = handle[2:]
-        if len(handle) != 64:
-            # e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True shares another handle kind
-            raise ValueError(f"storage IPC handle of {len(handle)} bytes, not a cudaIpcMemHandle_t")
-        region_id = self.client.register_cuda_ipc(handle, offset + size, device=self._daemon[1])
-        weakref.finalize(storage, self._forget, key, region_id)
-        return weakref.ref(storage), region_id, offset
-
-    def _forget(self, key, region_id):
-        with self._lock:
-            entry = self._by_storage.get(key)
-            if entry is not None and entry[1] == region_id:
-                del self._by_storage[key]
-        try:
-            self.client.unregister_region(region_id, timeout=10)
-        except Exception:   # the daemon is gone or forgot it (lease, restart): nothing to undo
-            pass
+    def sweep(self):
+        return self._segments.sweep() if self._segments is not None else 0
 
     def forget_all(self):
         """Drops every cached region (after NOT_FOUND: a daemon restart or an expired lease)."""
-        with self._lock:
-            regions = [e[1] for e in self._by_storage.values()]
-            self._by_storage.clear()
-        for region_id in regions:
-            try:
-                self.client.unregister_region(region_id, timeout=10)
-            except Exception:
-                pass
+        if self._segments is not None:
+            self._segments.forget_all()
 
 
 def projected_layout(t):
@@ -376,8 +352,27 @@ class ProjectedAttention:
         self.regions = CudaIpcRegions(client) if cuda_ipc else None
         self.last_result = None
         self.last_transport = None
+        self.last_registrations = 0     # RegisterRegion calls the last call made
+        self.last_wall_s = 0.0          # the last call's time here, daemon included
 
     def __call__(self, q, k, v):
+        start = time.perf_counter()
+        registered = self.regions.registrations if self.regions is not None else 0
+        try:
+            return self._attend(q, k, v)
+        finally:
+            self.last_wall_s = time.perf_counter() - start
+            if self.regions is not None:
+                self.last_registrations = self.regions.registrations - registered
+
+    @property
+    def last_outside_s(self):
+        """The last call's time outside the daemon: wall time here minus the daemon's total."""
+        if self.last_result is None:
+            return None
+        return self.last_wall_s - self.last_result.seconds.total
+
+    def _attend(self, q, k, v):
         b, n, h, d = q.shape
         ranges = pack_batch([Range(0, n, 0, self.formats)], b, n)
         if self.regions is not None and all(self.regions.reaches(t) for t in (q, k, v)):
@@ -411,6 +406,7 @@ class ProjectedAttention:
         layout, row_stride, batch = layouts[0]
         span = _span_bytes(layout, row_stride, n_tokens, hd)
         out = torch.empty((b, n, hd), dtype=torch.bfloat16, device=q.device)
+        self.regions.sweep()        # unregisters the segments freed since the last call
         slices = [self.regions.slice(t, span) for t in qkv]
         out_slice = self.regions.slice(out, out.numel() * out.element_size())
         torch.cuda.current_stream(q.device).synchronize()   # q, k, v written before kvpackd reads
