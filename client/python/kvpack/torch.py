@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 import torch
 
-from kvpack import tensors
+from kvpack import tensors, torch_ops
 from kvpack.errors import KvpackError
 from kvpack.types import LayerOptions, Range, RegionSlice
 
@@ -148,6 +148,7 @@ class KvpackSelfAttention(torch.nn.Module):
         self._handle = None
         self._handle_key = None
         self._lock = threading.Lock()
+        self._op_id = torch_ops.register(self)
 
     @classmethod
     def from_linear(cls, client, linear, heads, **kwargs):
@@ -191,6 +192,12 @@ class KvpackSelfAttention(torch.nn.Module):
         return from_wire_bf16(res.output, (x2.shape[0], self.heads * self.head_dim), x2)
 
     def forward(self, x, positions=None, ranges=None):
+        if torch_ops.compiling():     # one opaque op in the graph (kvpack::self_attention)
+            return torch.ops.kvpack.self_attention(x, positions, self._op_id,
+                                                   torch_ops.encode_ranges(ranges))
+        return self.forward_eager(x, positions, ranges)
+
+    def forward_eager(self, x, positions=None, ranges=None):
         batched = x.dim() == 3
         xb = x if batched else x[None]
         b, n, _ = xb.shape
@@ -354,8 +361,14 @@ class ProjectedAttention:
         self.last_transport = None
         self.last_registrations = 0     # RegisterRegion calls the last call made
         self.last_wall_s = 0.0          # the last call's time here, daemon included
+        self._op_id = torch_ops.register(self)
 
     def __call__(self, q, k, v):
+        if torch_ops.compiling():     # one opaque op in the graph (kvpack::projected_attention)
+            return torch.ops.kvpack.projected_attention(q, k, v, self._op_id)
+        return self.attend_eager(q, k, v)
+
+    def attend_eager(self, q, k, v):
         start = time.perf_counter()
         registered = self.regions.registrations if self.regions is not None else 0
         try:
