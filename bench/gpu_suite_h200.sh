@@ -2,7 +2,8 @@
 # Everything GPU-side of the daemon in one call, from a bundle built elsewhere
 # (shared/tools/bundle-binaries BUNDLE kvpackd daemon_ipc_bench bench_layer cuda_daemon_test cuda_layer_test
 # cuda_interleave_test): run_daemon_h200.sh (kernel and daemon tests, the layer through kvpackd next to
-# the direct call), the chunk-interleaving test, and the Python CUDA-IPC tests of kvpack.torch
+# the direct call), the chunk-interleaving test, and the Python CUDA-IPC tests of kvpack.torch (segments,
+# torch.compile, the ComfyUI model when KVPACK_COMFYUI_DIR names a checkout)
 # (grpcio/protobuf/pytest carried as wheels in WHEELS, stubs generated beforehand into
 # client/python/kvpack/v1). Logs in $OUT; a summary last.
 #   OUT=... WHEELS=.whl bash bench/gpu_suite_h200.sh BUNDLE_DIR
@@ -20,9 +21,16 @@ echo "cuda_interleave_test exit $? :: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) |l
 if [[ -n "${WHEELS:-}" ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$ROOT/$WHEELS"/*.whl \
     >"$OUT/pytest.log" 2>&1
-  PYTHONPATH=/tmp/site:$ROOT/client/python timeout 240 python3 -m pytest -q -rs -p no:cacheprovider \
-    "$ROOT/client/python/tests/test_torch_projected.py" "$ROOT/client/python/tests/test_projected.py" >>"$OUT/pytest.log" 2>&1
-  echo "pytest (torch CUDA IPC, projected) exit $? :: $(tail -1 "$OUT/pytest.log")" | tee -a "$OUT/daemon_summary.txt"
+  # -s: the issue-17 tests print their figures (registrations per call, time outside the daemon,
+  # compiled vs eager) as FIGURE lines. KVPACK_COMFYUI_DIR (a ComfyUI checkout) adds the real
+  # ComfyUI model test.
+  T=$ROOT/client/python/tests
+  PYTHONPATH=/tmp/site:$ROOT/client/python timeout 540 python3 -m pytest -q -s -rs -p no:cacheprovider \
+    "$T/test_torch_projected.py" "$T/test_projected.py" "$T/test_torch_cuda_gpu.py" "$T/test_torch_ops.py" \
+    "$T/test_cuda_segments.py" "$T/test_comfy_model.py" >>"$OUT/pytest.log" 2>&1
+  echo "pytest (torch CUDA IPC, projected, segments, compile, ComfyUI) exit $? :: $(tail -1 "$OUT/pytest.log")" \
+    | tee -a "$OUT/daemon_summary.txt"
+  grep -h '^FIGURE' "$OUT/pytest.log" | tee -a "$OUT/daemon_summary.txt"
 fi
 cat "$OUT/daemon_summary.txt"
 tail -25 "$OUT/daemon_run.txt"

@@ -1,7 +1,8 @@
-"""CUDA IPC by segment on the GPU (marker `gpu`): steady-state calls register nothing and spend
-little time outside the daemon; tensors freed and reallocated between calls (torch.cuda.
-empty_cache() included) never make the daemon read freed memory — every output is checked
-against an fp32 CPU reference and against the inline path. Prints the figures of issue 17 as
+"""kvpack.torch on the GPU (marker `gpu`): CUDA IPC by segment — steady-state calls register
+nothing and spend little time outside the daemon; tensors freed and reallocated between calls
+(torch.cuda.empty_cache() included) never make the daemon read freed memory, every output checked
+against an fp32 CPU reference and against the inline path — and a ComfyUI-style block under
+torch.compile (Inductor, fullgraph) through the daemon. Prints the figures of issue 17 as
 "FIGURE ..." lines (run pytest with -s to see them). Skips without CUDA torch and a CUDA-backed
 kvpackd.
 
@@ -26,7 +27,7 @@ if testing.find_kvpackd() is None:
     pytest.skip("no kvpackd binary (build it; ctest sets KVPACK_BUILD_DIR)", allow_module_level=True)
 
 H, D = 12, 128
-MIN_COSINE = 0.999        # INT8 K/V against fp32 attention (measured ~0.9999 at d = 128)
+MIN_COSINE = 0.999        # INT8 K/V vs fp32 attention; CPU backend, these inputs: 0.999993-0.999995
 WARMUP_CALLS = 1          # the first call registers the segments it meets
 
 
@@ -67,7 +68,7 @@ def reference(q, k, v):
 
 
 def cosine(a, b):
-    a, b = a.float().flatten(), b.float().flatten()
+    a, b = a.double().flatten(), b.double().flatten()
     return float(a @ b / (a.norm() * b.norm()))
 
 
@@ -127,3 +128,36 @@ def test_freed_and_reallocated_tensors_are_never_read_stale(cuda_client):
     attend.regions.sweep()
     assert cuda_client.status().tenant.regions - before == len(attend.regions.segments)
     assert segments.releases > 0        # empty_cache freed segments and the sweep let them go
+
+
+def test_compiled_block_on_the_gpu(cuda_client):
+    from kvpack.comfy import AttentionOverride, sdpa_attention
+
+    class Block(torch.nn.Module):
+        def __init__(self, hook):
+            super().__init__()
+            self.qkv = torch.nn.Linear(H * D, 3 * H * D)
+            self.hook = hook
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            return torch.nn.functional.gelu(self.hook(sdpa_attention, q, k, v, H))
+
+    torch.manual_seed(21)
+    attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
+    hook = AttentionOverride(attend, min_tokens=16)
+    block = Block(hook).to(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 4100, H * D, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = block(x)
+        compiled = torch.compile(block, fullgraph=True)
+        compiled(x)
+        got = compiled(x)
+    torch.cuda.synchronize()
+    assert attend.last_transport == "cuda_ipc" and attend.last_registrations == 0
+    assert hook.calls["kvpack"] == 3
+    c = cosine(got.cpu(), want.cpu())
+    print(f"\nFIGURE compile inductor fullgraph cosine_vs_eager={c:.6f} "
+          f"outside_ms={1e3 * attend.last_outside_s:.3f}")
+    assert c >= MIN_COSINE
+    attend.regions.forget_all()
