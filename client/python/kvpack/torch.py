@@ -284,10 +284,12 @@ class CudaIpcRegions:
         self._lock = threading.Lock()
         self._segments = None               # SegmentRegions, made on first use
         self._daemon = None                 # (uuid, ordinal), or () when it serves no GPU
+        self.daemon_waits_on_events = False # Status.cuda_wait_event
 
     def daemon_device(self):
         if self._daemon is None:
             st = self.client.status()
+            self.daemon_waits_on_events = st.cuda_wait_event
             self._daemon = (_uuid_text(st.device_uuid), st.device_ordinal) if st.device_uuid else ()
         return self._daemon
 
@@ -361,6 +363,8 @@ class ProjectedAttention:
         self.last_transport = None
         self.last_registrations = 0     # RegisterRegion calls the last call made
         self.last_wall_s = 0.0          # the last call's time here, daemon included
+        self.use_events = True          # stream order by CUDA IPC events where the daemon can
+        self._events = threading.local()    # per thread: {device index: interprocess event}
         self._op_id = torch_ops.register(self)
 
     def __call__(self, q, k, v):
@@ -422,11 +426,43 @@ class ProjectedAttention:
         self.regions.sweep()        # unregisters the segments freed since the last call
         slices = [self.regions.slice(t, span) for t in qkv]
         out_slice = self.regions.slice(out, out.numel() * out.element_size())
-        torch.cuda.current_stream(q.device).synchronize()   # q, k, v written before kvpackd reads
-        res = self.client.attention_projected(
-            *slices, n_heads=h, head_dim=d, ranges=ranges, layout=layout, row_stride=row_stride,
-            batch=batch, n_tokens=n_tokens, options=self.options, priority=self.priority,
-            output=out_slice, timeout=self.timeout)
+        kwargs = dict(n_heads=h, head_dim=d, ranges=ranges, layout=layout, row_stride=row_stride,
+                      batch=batch, n_tokens=n_tokens, options=self.options,
+                      priority=self.priority, output=out_slice, timeout=self.timeout)
+        event = self._caller_event(q.device)
+        if event is None:
+            torch.cuda.current_stream(q.device).synchronize()  # q, k, v written before kvpackd reads
+        try:
+            res = self.client.attention_projected(*slices, cuda_wait_event=event, **kwargs)
+        except KvpackError as e:
+            if event is None or e.code != grpc.StatusCode.INVALID_ARGUMENT or \
+                    "cuda_wait_event" not in e.details:
+                raise
+            log.warning("kvpack: the daemon cannot wait for this process's events (%s); "
+                        "synchronising instead", e.details)
+            self.use_events = False
+            torch.cuda.current_stream(q.device).synchronize()
+            res = self.client.attention_projected(*slices, **kwargs)
         self.last_result, self.last_transport = res.result, "cuda_ipc"
         # kvpackd synchronised its stream before answering: `out` holds the result.
         return out.view(b, n, h, d).to(q.dtype)
+
+    def _caller_event(self, device):
+        """The IPC handle of an event recorded now on the current stream — after the work that
+        writes q, k, v and allocates the output — for the daemon to wait for (header.
+        cuda_wait_event), or None where the daemon cannot (then the caller synchronises). One
+        event per thread and device, re-recorded each call: a thread's calls are sequential, so
+        the daemon never waits for another call's record."""
+        if not (self.use_events and self.regions.daemon_waits_on_events):
+            return None
+        events = getattr(self._events, "by_device", None)
+        if events is None:
+            events = self._events.by_device = {}
+        entry = events.get(device.index)
+        if entry is None:
+            entry = [torch.cuda.Event(interprocess=True), None]   # timing off, as IPC requires
+            events[device.index] = entry
+        entry[0].record(torch.cuda.current_stream(device))
+        if entry[1] is None:
+            entry[1] = bytes(entry[0].ipc_handle())       # exists once the event was recorded
+        return entry[1]

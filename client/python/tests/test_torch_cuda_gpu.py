@@ -88,7 +88,8 @@ def test_steady_state_registers_nothing(cuda_client):
         wall.append(attend.last_wall_s)
         del q, k, v, out
     steady = slice(WARMUP_CALLS, None)
-    print(f"\nFIGURE segments tokens={n} heads={H}x{D} calls={calls} registrations_per_call={regs}")
+    print(f"\nFIGURE segments tokens={n} heads={H}x{D} calls={calls} registrations_per_call={regs} "
+          f"stream_order={'event' if attend.regions.daemon_waits_on_events else 'synchronize'}")
     print(f"FIGURE segments steady outside_ms median={1e3 * statistics.median(outside[steady]):.3f} "
           f"max={1e3 * max(outside[steady]):.3f} daemon_ms median="
           f"{1e3 * statistics.median(daemon_s[steady]):.3f} wall/daemon="
@@ -160,4 +161,27 @@ def test_compiled_block_on_the_gpu(cuda_client):
     print(f"\nFIGURE compile inductor fullgraph cosine_vs_eager={c:.6f} "
           f"outside_ms={1e3 * attend.last_outside_s:.3f}")
     assert c >= MIN_COSINE
+    attend.regions.forget_all()
+
+
+def test_the_daemon_waits_for_work_still_queued_on_the_callers_stream(cuda_client):
+    """q, k, v are written by the last kernels of a long queue and the call is made without
+    synchronising: the daemon must wait for the caller's event (header.cuda_wait_event)."""
+    attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
+    inline = kt.ProjectedAttention(cuda_client, formats=("int8",), cuda_ipc=False)
+    attend(*split(fused_qkv(1, 2048, seed=30)))           # registers; learns the daemon's events
+    assert attend.regions.daemon_waits_on_events, "the CUDA backend takes cuda_wait_event"
+    src = fused_qkv(1, 2048, seed=31)
+    fused = torch.full_like(src, float("nan"))
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(40):                                   # ~tens of ms of queued GPU work
+        a = torch.tanh(a @ a) * 0.5
+    fused.copy_(src + (a[0, 0] * 0).to(src.dtype))       # written only after that work
+    got = attend(*split(fused))                           # no synchronise before this call
+    assert attend.last_transport == "cuda_ipc"
+    want = inline(*split(src))
+    assert torch.equal(got.cpu(), want.cpu())
+    print(f"\nFIGURE events queued_work_then_call equal_to_inline=True "
+          f"daemon_queue_ms={1e3 * attend.last_result.seconds.queue:.3f}")
     attend.regions.forget_all()
