@@ -137,3 +137,66 @@ def test_forget_all_unregisters_everything(setup):
         regions.slice(driver.malloc(GRANULE), 16)
     regions.forget_all()
     assert client.regions == {} and len(regions) == 0 and regions.releases == 3
+
+
+class FakeLibcuda:
+    """libcuda's entry points as CudaDriver calls them through ctypes, writing results the way the
+    driver does: each attribute into its own slot, in its own width (CUcontext and addresses 8
+    bytes, the ordinal an int, the IPC capability a bool), nothing for an unknown pointer."""
+
+    BASE, SIZE, BUFFER_ID, ORDINAL, CONTEXT = 0x7F1200000000, 6 << 20, 77, 2, 0xC0FFEE
+
+    def __init__(self):
+        self.pushed = []
+        # Plain functions, as a CDLL's are, so that CudaDriver can set their argtypes.
+        for name in ("cuInit", "cuPointerGetAttributes", "cuIpcGetMemHandle",
+                     "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2"):
+            setattr(self, name, (lambda f: lambda *a: f(*a))(getattr(self, name)))
+
+    def cuInit(self, flags):
+        return 0
+
+    def cuPointerGetAttributes(self, n, attrs, slots, ptr):
+        import ctypes
+        if not self.BASE <= ptr < self.BASE + self.SIZE:
+            return 0                                   # unknown pointer: slots left as they are
+        for i in range(n):
+            a = attrs[i]
+            if a == 1:
+                ctypes.c_uint64.from_address(slots[i]).value = self.CONTEXT
+            elif a == 7:
+                ctypes.c_uint64.from_address(slots[i]).value = self.BUFFER_ID
+            elif a == 9:
+                ctypes.c_int.from_address(slots[i]).value = self.ORDINAL
+            elif a == 10:
+                ctypes.c_bool.from_address(slots[i]).value = True
+            elif a == 11:
+                ctypes.c_uint64.from_address(slots[i]).value = self.BASE
+            elif a == 12:
+                ctypes.c_size_t.from_address(slots[i]).value = self.SIZE
+        return 0
+
+    def cuIpcGetMemHandle(self, buf, ptr):
+        import ctypes
+        assert ptr == self.BASE and self.pushed == [self.CONTEXT]
+        ctypes.memmove(buf, b"H" * 64, 64)
+        return 0
+
+    def cuCtxPushCurrent_v2(self, ctx):
+        self.pushed.append(ctx)
+        return 0
+
+    def cuCtxPopCurrent_v2(self, out):
+        self.pushed.pop()
+        return 0
+
+
+def test_cuda_driver_reads_every_attribute_in_its_width():
+    from kvpack.cuda_segments import CudaDriver
+
+    lib = FakeLibcuda()
+    driver = CudaDriver(lib)
+    seg = driver.segment(lib.BASE + 4096)
+    assert seg == Segment(lib.ORDINAL, lib.BASE, lib.SIZE, lib.BUFFER_ID, True, lib.CONTEXT)
+    assert driver.segment(0x1000).buffer_id == 0          # not device memory
+    assert driver.ipc_handle(seg) == b"H" * 64 and lib.pushed == []
