@@ -9,9 +9,11 @@ is one RPC and no registration (measured by `registrations`).
 Freed memory is never addressed. An entry is keyed by (device, base, size, buffer id): the
 driver's buffer id is unique for the life of the process, so a segment freed and another
 cudaMalloc'd at the same address (torch.cuda.empty_cache(), then new tensors) is a new key and a
-new registration, never the old region. `sweep()` (run before each call) drops the entries whose
-segment is gone and unregisters them, so the daemon's mapping of a freed segment lives at most
-until the next call; it also keeps at most `max_segments` entries (least recently used go first).
+new registration, never the old region. `sweep()` drops the entries whose segment is gone and
+unregisters them, and keeps at most `max_segments` entries (least recently used go first);
+`maybe_sweep()`, run before each call, does so at most every `sweep_interval_s` (a sweep queries
+every entry, one driver call each), so the daemon's mapping of a freed segment outlives it by at most that
+long plus the time to the next call. Correctness does not depend on sweeping: the key does.
 Regions are scoped to the client's tenant by the daemon; one SegmentRegions serves one client.
 
 The driver is reached through ctypes on libcuda.so.1 (no CUDA toolkit, no torch needed here);
@@ -21,6 +23,7 @@ tests pass a stand-in with the same two methods.
 import collections
 import ctypes
 import threading
+import time
 
 from kvpack.types import RegionSlice
 
@@ -90,12 +93,16 @@ class SegmentRegions:
     Counters: `registrations` (RegisterRegion calls made), `releases` (UnregisterRegion calls for
     dead or evicted segments)."""
 
-    def __init__(self, client, device, *, driver=None, max_segments=256, timeout=10.0):
+    def __init__(self, client, device, *, driver=None, max_segments=64, sweep_interval_s=0.25,
+                 timeout=10.0, clock=time.monotonic):
         self.client = client
         self.device = device
         self.driver = driver if driver is not None else CudaDriver()
         self.max_segments = max_segments
+        self.sweep_interval_s = sweep_interval_s
         self.timeout = timeout
+        self.clock = clock
+        self._last_sweep = None
         self.registrations = 0
         self.releases = 0
         self._lock = threading.Lock()
@@ -130,10 +137,18 @@ class SegmentRegions:
                 self._entries.move_to_end(key)
         return RegionSlice(region_id, ptr - seg.base, nbytes)
 
+    def maybe_sweep(self):
+        """sweep() unless one ran less than sweep_interval_s ago; returns how many it dropped."""
+        now = self.clock()
+        if self._last_sweep is not None and now - self._last_sweep < self.sweep_interval_s:
+            return 0
+        return self.sweep()
+
     def sweep(self):
         """Unregisters the entries whose segment was freed (its base no longer answers with the
         same buffer id) and the least recently used beyond max_segments; returns how many."""
         with self._lock:
+            self._last_sweep = self.clock()
             dead = [k for k in self._entries if not self._alive(k)]
             excess = len(self._entries) - len(dead) - self.max_segments
             if excess > 0:

@@ -274,7 +274,8 @@ class CudaIpcRegions:
     """CUDA tensors as slices of CUDA IPC regions of one daemon: one region per cudaMalloc segment
     of PyTorch's caching allocator (kvpack.cuda_segments.SegmentRegions), registered on first use
     and addressed by offset, so steady-state calls register nothing. `sweep()` unregisters the
-    segments freed since (torch.cuda.empty_cache()); a segment freed and reallocated at the same
+    segments freed since (torch.cuda.empty_cache(); `maybe_sweep()` at most every 0.25 s, before
+    each call); a segment freed and reallocated at the same
     address is a new region, never the old one. `reaches(t)` says whether t sits on the daemon's
     GPU (Status.device_uuid against torch.cuda.get_device_properties(...).uuid). Thread-safe."""
 
@@ -322,6 +323,9 @@ class CudaIpcRegions:
 
     def sweep(self):
         return self._segments.sweep() if self._segments is not None else 0
+
+    def maybe_sweep(self):
+        return self._segments.maybe_sweep() if self._segments is not None else 0
 
     def forget_all(self):
         """Drops every cached region (after NOT_FOUND: a daemon restart or an expired lease)."""
@@ -423,7 +427,7 @@ class ProjectedAttention:
         layout, row_stride, batch = layouts[0]
         span = _span_bytes(layout, row_stride, n_tokens, hd)
         out = torch.empty((b, n, hd), dtype=torch.bfloat16, device=q.device)
-        self.regions.sweep()        # unregisters the segments freed since the last call
+        self.regions.maybe_sweep()  # unregisters the segments freed since (rate-limited)
         slices = [self.regions.slice(t, span) for t in qkv]
         out_slice = self.regions.slice(out, out.numel() * out.element_size())
         kwargs = dict(n_heads=h, head_dim=d, ranges=ranges, layout=layout, row_stride=row_stride,

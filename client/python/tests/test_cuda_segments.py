@@ -131,6 +131,22 @@ def test_unshareable_memory_is_refused(setup):
     assert regions.registrations == 0
 
 
+def test_maybe_sweep_runs_at_most_once_per_interval(setup):
+    driver, client, _ = setup
+    now = [10.0]
+    regions = SegmentRegions(client, device=0, driver=driver, sweep_interval_s=0.25,
+                             clock=lambda: now[0])
+    a, b = driver.malloc(GRANULE), driver.malloc(GRANULE)
+    regions.slice(a, 16), regions.slice(b, 16)
+    assert regions.maybe_sweep() == 0                # the first sweep: nothing dead yet
+    driver.free(a)
+    queries = driver.queries
+    now[0] += 0.1
+    assert regions.maybe_sweep() == 0 and driver.queries == queries   # too soon: no query
+    now[0] += 0.2
+    assert regions.maybe_sweep() == 1 and len(client.unregistered) == 1
+
+
 def test_forget_all_unregisters_everything(setup):
     driver, client, regions = setup
     for _ in range(3):
