@@ -112,7 +112,9 @@ class IpcEvents {
     std::lock_guard<std::mutex> lock(mu_);
     if (auto it = events_.find(handle); it != events_.end()) return it->second;
     cudaIpcEventHandle_t h;
-    if (handle.size() != sizeof(h)) return absl::InvalidArgumentError("header.cuda_wait_event: not a cudaIpcEventHandle_t");
+    if (handle.size() != sizeof(h)) {
+      return absl::InvalidArgumentError("header.cuda_wait_event: not a cudaIpcEventHandle_t");
+    }
     std::memcpy(&h, handle.data(), sizeof(h));
     cudaEvent_t raw = nullptr;
     if (cudaError_t e = cudaIpcOpenEventHandle(&raw, h); e != cudaSuccess) {

@@ -12,8 +12,8 @@ cudaMalloc'd at the same address (torch.cuda.empty_cache(), then new tensors) is
 new registration, never the old region. `sweep()` drops the entries whose segment is gone and
 unregisters them, and keeps at most `max_segments` entries (least recently used go first);
 `maybe_sweep()`, run before each call, does so at most every `sweep_interval_s` (a sweep queries
-every entry, one driver call each), so the daemon's mapping of a freed segment outlives it by at most that
-long plus the time to the next call. Correctness does not depend on sweeping: the key does.
+every entry, one driver call each), so the daemon's mapping of a freed segment outlives it by at
+most that long plus the time to the next call. Correctness does not depend on sweeping: the key does.
 Regions are scoped to the client's tenant by the daemon; one SegmentRegions serves one client.
 
 The driver is reached through ctypes on libcuda.so.1 (no CUDA toolkit, no torch needed here);

@@ -435,7 +435,7 @@ class ProjectedAttention:
                       priority=self.priority, output=out_slice, timeout=self.timeout)
         event = self._caller_event(q.device)
         if event is None:
-            torch.cuda.current_stream(q.device).synchronize()  # q, k, v written before kvpackd reads
+            torch.cuda.current_stream(q.device).synchronize()  # q, k, v written before it reads
         try:
             res = self.client.attention_projected(*slices, cuda_wait_event=event, **kwargs)
         except KvpackError as e:

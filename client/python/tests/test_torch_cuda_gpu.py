@@ -90,7 +90,8 @@ def test_steady_state_registers_nothing(cuda_client):
     steady = slice(WARMUP_CALLS, None)
     print(f"\nFIGURE segments tokens={n} heads={H}x{D} calls={calls} registrations_per_call={regs} "
           f"stream_order={'event' if attend.regions.daemon_waits_on_events else 'synchronize'}")
-    print(f"FIGURE segments steady outside_ms median={1e3 * statistics.median(outside[steady]):.3f} "
+    print(f"FIGURE segments steady outside_ms median="
+          f"{1e3 * statistics.median(outside[steady]):.3f} "
           f"max={1e3 * max(outside[steady]):.3f} daemon_ms median="
           f"{1e3 * statistics.median(daemon_s[steady]):.3f} wall/daemon="
           f"{statistics.median(wall[steady]) / statistics.median(daemon_s[steady]):.4f}")
