@@ -274,10 +274,10 @@ class CudaIpcRegions:
     """CUDA tensors as slices of CUDA IPC regions of one daemon: one region per cudaMalloc segment
     of PyTorch's caching allocator (kvpack.cuda_segments.SegmentRegions), registered on first use
     and addressed by offset, so steady-state calls register nothing. `sweep()` unregisters the
-    segments freed since (torch.cuda.empty_cache(); `maybe_sweep()` at most every 0.25 s, before
-    each call); a segment freed and reallocated at the same
-    address is a new region, never the old one. `reaches(t)` says whether t sits on the daemon's
-    GPU (Status.device_uuid against torch.cuda.get_device_properties(...).uuid). Thread-safe."""
+    segments freed since (torch.cuda.empty_cache()); `maybe_sweep()` does so at most every 0.25 s,
+    before each call. A segment freed and reallocated at the same address is a new region, never
+    the old one. `reaches(t)` says whether t sits on the daemon's GPU (Status.device_uuid against
+    torch.cuda.get_device_properties(...).uuid). Thread-safe."""
 
     def __init__(self, client, *, driver=None):
         self.client = client
@@ -285,7 +285,7 @@ class CudaIpcRegions:
         self._lock = threading.Lock()
         self._segments = None               # SegmentRegions, made on first use
         self._daemon = None                 # (uuid, ordinal), or () when it serves no GPU
-        self.daemon_waits_on_events = False # Status.cuda_wait_event
+        self.daemon_waits_on_events = False     # Status.cuda_wait_event
 
     def daemon_device(self):
         if self._daemon is None:
