@@ -337,6 +337,11 @@ TEST(Engine, AFailedWaitEndsTheJobBeforeItRunsAndFreesItsMemory) {
   EXPECT_EQ(ran.status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(fake->project_calls, 0);
   EXPECT_EQ(engine.pool().Snapshot().reserved, 0u);
+  // The executor drops the job (and the weights lease it holds) just after `done` fired.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (engine.pool().Snapshot().allocated != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   EXPECT_EQ(engine.pool().Snapshot().allocated, 0u);
 }
 
