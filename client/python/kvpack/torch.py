@@ -290,7 +290,8 @@ class CudaIpcRegions:
     def daemon_device(self):
         if self._daemon is None:
             st = self.client.status()
-            self.daemon_waits_on_events = st.cuda_wait_event
+            # getattr: stubs generated from an older kvpack.proto lack the field
+            self.daemon_waits_on_events = getattr(st, "cuda_wait_event", False)
             self._daemon = (_uuid_text(st.device_uuid), st.device_ordinal) if st.device_uuid else ()
         return self._daemon
 
