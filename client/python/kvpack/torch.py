@@ -286,6 +286,7 @@ class CudaIpcRegions:
         self._segments = None               # SegmentRegions, made on first use
         self._daemon = None                 # (uuid, ordinal), or () when it serves no GPU
         self.daemon_waits_on_events = False     # Status.cuda_wait_event
+        self._reaches = {}                      # device index -> on the daemon's GPU
 
     def daemon_device(self):
         if self._daemon is None:
@@ -301,8 +302,12 @@ class CudaIpcRegions:
         daemon = self.daemon_device()
         if not daemon:
             return False
-        props = torch.cuda.get_device_properties(t.device)
-        return _uuid_text(getattr(props, "uuid", "")) == daemon[0]
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        same = self._reaches.get(index)
+        if same is None:      # asked three times per call: the answer per device is kept
+            props = torch.cuda.get_device_properties(index)
+            same = self._reaches[index] = _uuid_text(getattr(props, "uuid", "")) == daemon[0]
+        return same
 
     @property
     def segments(self):
