@@ -22,7 +22,9 @@
 # daemon: from `shared/tools/bundle-binaries BUNDLE kvpackd daemon_ipc_bench bench_layer cuda_daemon_test
 #   cuda_layer_test cuda_interleave_test`: the CUDA kernel and daemon tests, one layer through kvpackd with
 #   CUDA IPC next to the same layer called directly (N = 32768 and H3, in place too), the chunk-interleaving
-#   test, and (WHEELS=.whl: grpcio/protobuf/pytest wheels) the Python CUDA-IPC tests of kvpack.torch.
+#   test, and (WHEELS=.whl: grpcio/protobuf/pytest wheels; stubs generated beforehand into
+#   client/python/kvpack/v1) the Python tests of kvpack.torch: CUDA IPC by segment, stream order,
+#   torch.compile, ComfyUI's model when KVPACK_COMFYUI_DIR names a checkout (FIGURE lines in the summary).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvpack-h200}
 mkdir -p "$OUT" /tmp/h200-logs
@@ -170,9 +172,14 @@ run_daemon() {
   if [[ -n "${WHEELS:-}" ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$ROOT/$WHEELS"/*.whl \
       >"$LOGS/pytest.log" 2>&1
-    PYTHONPATH=/tmp/site:$ROOT/client/python timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
-      "$ROOT/client/python/tests/test_torch_projected.py" "$ROOT/client/python/tests/test_projected.py" >>"$LOGS/pytest.log" 2>&1
-    say "pytest (kvpack.torch CUDA IPC) exit $?: $(tail -1 "$LOGS/pytest.log")"
+    # -s: the issue-17 tests print their figures (registrations per call, time outside the daemon,
+    # compiled vs eager) as FIGURE lines. KVPACK_COMFYUI_DIR (a ComfyUI checkout) adds the real model.
+    local t=$ROOT/client/python/tests
+    PYTHONPATH=/tmp/site:$ROOT/client/python timeout 540 python3 -m pytest -q -s -rs -p no:cacheprovider \
+      "$t/test_torch_projected.py" "$t/test_projected.py" "$t/test_torch_cuda_gpu.py" "$t/test_torch_ops.py" \
+      "$t/test_cuda_segments.py" "$t/test_comfy_model.py" >>"$LOGS/pytest.log" 2>&1
+    say "pytest (kvpack.torch: CUDA IPC, segments, compile, ComfyUI) exit $?: $(tail -1 "$LOGS/pytest.log")"
+    grep -h '^FIGURE' "$LOGS/pytest.log" | tee -a "$SUMMARY"
   fi
 }
 

@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "kernels/layer_spec.h"
 #include "server/core/layer_request.h"
 #include "server/core/pool.h"
@@ -91,6 +92,19 @@ class Backend {
     (void)size;
     return absl::FailedPreconditionError("kind: CUDA IPC regions need the CUDA backend; this daemon serves on the " +
                                          name() + " backend");
+  }
+
+  // Stream order with a caller in another process (LayerHeader.cuda_wait_event): whether the
+  // backend takes such events, and a wait until the event behind `handle` (the 64 bytes of a
+  // cudaIpcEventHandle_t) has completed. DEADLINE_EXCEEDED when it has not by `deadline`;
+  // INVALID_ARGUMENT naming header.cuda_wait_event when the handle does not open;
+  // FAILED_PRECONDITION on backends without CUDA.
+  virtual bool TakesIpcEvents() const { return false; }
+  virtual absl::Status WaitIpcEvent(const std::string& handle, absl::Time deadline) {
+    (void)handle;
+    (void)deadline;
+    return absl::FailedPreconditionError("header.cuda_wait_event: CUDA IPC events need the CUDA backend; this daemon "
+                                         "serves on the " + name() + " backend");
   }
 
   // False after a sticky device error.

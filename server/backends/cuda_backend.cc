@@ -8,8 +8,14 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
 #include <vector>
+
+#include "absl/time/clock.h"
 
 #include "kernels/cuda/layer.h"
 #include "server/backends/vmm_arena.h"
@@ -93,6 +99,40 @@ class StreamPool {
   std::vector<cudaStream_t> free_;
 };
 
+// Events of callers in other processes (LayerHeader.cuda_wait_event), opened once per handle: a
+// client re-records one event call after call. At most kMaxEvents are kept (a client cannot make
+// the daemon hold an unbounded number); past that the cache starts again. Entries are shared, so
+// a wait in progress keeps its event open when the cache is cleared.
+class IpcEvents {
+ public:
+  static constexpr size_t kMaxEvents = 256;
+  using Event = std::shared_ptr<std::remove_pointer_t<cudaEvent_t>>;
+
+  absl::StatusOr<Event> Open(const std::string& handle) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = events_.find(handle); it != events_.end()) return it->second;
+    cudaIpcEventHandle_t h;
+    if (handle.size() != sizeof(h)) {
+      return absl::InvalidArgumentError("header.cuda_wait_event: not a cudaIpcEventHandle_t");
+    }
+    std::memcpy(&h, handle.data(), sizeof(h));
+    cudaEvent_t raw = nullptr;
+    if (cudaError_t e = cudaIpcOpenEventHandle(&raw, h); e != cudaSuccess) {
+      cudaGetLastError();  // not sticky: a bad handle is the caller's error
+      return absl::InvalidArgumentError(std::string("header.cuda_wait_event: cudaIpcOpenEventHandle: ") +
+                                        cudaGetErrorString(e));
+    }
+    if (events_.size() >= kMaxEvents) events_.clear();
+    Event event(raw, [](cudaEvent_t ev) { cudaEventDestroy(ev); });
+    events_.emplace(handle, event);
+    return event;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, Event> events_;  // by the 64 handle bytes
+};
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const CudaBackendOptions& options, std::vector<cudaStream_t> streams, cublasLtHandle_t blas)
@@ -140,6 +180,37 @@ class CudaBackend final : public Backend {
     mapping.base = open.base;
     mapping.close = [this, handle](uint8_t*, uint64_t) { CloseIpc(handle); };
     return mapping;
+  }
+
+  bool TakesIpcEvents() const override { return true; }
+
+  // Polled (spinning first, then sleeping) rather than cudaEventSynchronize: a caller whose
+  // stream never reaches the event must not hold an executor thread past the call's deadline.
+  // The first ~100 µs spin, as the caller's remaining work is usually that short.
+  absl::Status WaitIpcEvent(const std::string& handle, absl::Time deadline) override {
+    absl::StatusOr<IpcEvents::Event> event = ipc_events_.Open(handle);
+    if (!event.ok()) return event.status();
+    const absl::Time spin_until = absl::Now() + absl::Microseconds(100);
+    for (;;) {
+      const cudaError_t e = cudaEventQuery(event->get());
+      if (e == cudaSuccess) return absl::OkStatus();
+      if (e != cudaErrorNotReady) {
+        // Not Sticky(): an event of a process that died is the caller's; a device fault shows up
+        // again in the next launch, which flips health.
+        cudaGetLastError();
+        return absl::FailedPreconditionError(std::string("header.cuda_wait_event: cudaEventQuery: ") +
+                                             cudaGetErrorString(e));
+      }
+      const absl::Time now = absl::Now();
+      if (now >= deadline) {
+        return absl::DeadlineExceededError("the deadline passed while waiting for header.cuda_wait_event");
+      }
+      if (now < spin_until) {
+        std::this_thread::yield();
+      } else {
+        absl::SleepFor(absl::Microseconds(20));
+      }
+    }
   }
 
   absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
@@ -271,6 +342,7 @@ class CudaBackend final : public Backend {
   mutable DeviceIdentity identity_;
   std::mutex ipc_mu_;
   std::map<std::string, IpcOpen> ipc_open_;  // by the 64 handle bytes
+  IpcEvents ipc_events_;
   cublasLtHandle_t blas_;
   std::atomic<bool> healthy_{true};
 };

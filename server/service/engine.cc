@@ -289,6 +289,16 @@ ChunkGate Engine::GateOf(LayerJob& job) {
   };
 }
 
+// The caller's work that writes the job's CUDA IPC inputs (header.cuda_wait_event), waited for
+// before anything reads them; the wait counts as queue time.
+absl::Status Engine::WaitForCaller(LayerJob& job) {
+  if (job.wait_event.empty()) return absl::OkStatus();
+  const absl::Time t0 = clock_->Now();
+  absl::Status s = backend_->WaitIpcEvent(job.wait_event, job.deadline);
+  job.queue_seconds += absl::ToDoubleSeconds(clock_->Now() - t0);
+  return s;
+}
+
 absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   const absl::Time start = clock_->Now();
   job.queue_seconds = absl::ToDoubleSeconds(start - job.submitted);
@@ -297,6 +307,7 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     return job.cancelled ? absl::CancelledError("cancelled before it ran")
                          : absl::DeadlineExceededError("deadline passed before it ran");
   }
+  if (absl::Status s = WaitForCaller(job); !s.ok()) return s;
   const ChunkGate gate = GateOf(job);
   const LayerConfig& config = job.plan.config;
 

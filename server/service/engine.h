@@ -62,6 +62,7 @@ struct LayerJob {
   TensorResidency resident;
   uint64_t out_bytes = 0;
   std::vector<RegionUse> regions;     // keeps mapped regions alive for the job
+  std::string wait_event;             // header.cuda_wait_event: waited for before the layer runs
   std::unique_ptr<uint8_t[]> x_buf;   // inline inputs and output (host)
   std::unique_ptr<uint8_t[]> positions_buf;
   std::unique_ptr<uint8_t[]> qkv_buf[3];  // inline pre-projected q, k, v
@@ -121,6 +122,7 @@ class Engine {
 
  private:
   void Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reservation);
+  absl::Status WaitForCaller(LayerJob& job);
   absl::Status StageOnDevice(LayerJob& job, Pool::Reservation& reservation, LayerTensors* tensors, Pool::Lease* io,
                              uint16_t** host_out);
   absl::Status RunLocked(LayerJob& job, Pool::Reservation& reservation);

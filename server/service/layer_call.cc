@@ -108,6 +108,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     if (context_->deadline() != std::chrono::system_clock::time_point::max()) {
       job->deadline = absl::FromChrono(context_->deadline());
     }
+    if (absl::Status s = BindWaitEvent(header, job.get()); !s.ok()) return s;
 
     // Pre-projected q, k, v take the place of x and the weights (AttentionLayer only).
     projected_ = header.input_case() == v1::LayerHeader::kProjected;
@@ -293,6 +294,21 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
                                                        ", ", k.end, ") seq ", k.seq_id));
       }
     }
+    return absl::OkStatus();
+  }
+
+  // header.cuda_wait_event: the caller's event the job waits for (Engine::WaitForCaller).
+  absl::Status BindWaitEvent(const v1::LayerHeader& header, LayerJob* job) {
+    constexpr size_t kIpcEventHandleBytes = 64;  // sizeof(cudaIpcEventHandle_t)
+    const std::string& event = header.cuda_wait_event();
+    if (event.empty()) return absl::OkStatus();
+    if (event.size() != kIpcEventHandleBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("header.cuda_wait_event: ", event.size(),
+                                                     " bytes, expected the 64 of a cudaIpcEventHandle_t"));
+    }
+    Backend& backend = service_->engine().backend();
+    if (!backend.TakesIpcEvents()) return backend.WaitIpcEvent(event, absl::InfinitePast());  // says why not
+    job->wait_event = event;
     return absl::OkStatus();
   }
 

@@ -151,6 +151,7 @@ grpc::ServerUnaryReactor* KvpackService::Status(grpc::CallbackServerContext* con
   response->set_device_ordinal(device.ordinal);
   response->set_inline_bytes_received(inline_received_.load());
   response->set_inline_bytes_sent(inline_sent_.load());
+  response->set_cuda_wait_event(e.backend().TakesIpcEvents());
   v1::TenantUsage* t = response->mutable_tenant();
   t->set_tenant(*tenant);
   auto it = s.by_tenant.find(*tenant);

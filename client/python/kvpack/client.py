@@ -292,13 +292,17 @@ class Client:
 
     def attention_projected(self, q, k, v, *, n_heads, head_dim, ranges, layout="token_major",
                             row_stride=0, batch=0, n_tokens=None, options=LayerOptions(),
-                            keep_kv=False, priority=0, output=None, timeout=None):
+                            keep_kv=False, priority=0, output=None, timeout=None,
+                            cuda_wait_event=None):
         """Attention over q, k, v already projected (and normed / roped: options.rope and
         qk_norm must be unset), no weights. layout "token_major": element (t, h, c) at
         t·row_stride + h·d + c (arrays: any shape [..., H·d] or [..., H, d], sent compact);
         "head_major": [B, H, N/B, d] contiguous, `batch` = B (arrays: their shape gives it).
         q, k, v are bf16 arrays (uint16 bits or floats) or RegionSlices (then n_tokens, and the
-        layout's row_stride / batch, are needed). Returns LayerOutput(output [N, H·d], result)."""
+        layout's row_stride / batch, are needed). cuda_wait_event: the 64-byte IPC handle of an
+        event the caller recorded after writing tensors in CUDA IPC regions; the daemon waits for
+        it instead of the caller synchronising (only where Status.cuda_wait_event is true).
+        Returns LayerOutput(output [N, H·d], result)."""
         hd = n_heads * head_dim
         refs, inline = [], []
         for name, t, tid in (("q", q, pb.TENSOR_Q), ("k", k, pb.TENSOR_K), ("v", v, pb.TENSOR_V)):
@@ -330,6 +334,8 @@ class Client:
         p.q.CopyFrom(refs[0])
         p.k.CopyFrom(refs[1])
         p.v.CopyFrom(refs[2])
+        if cuda_wait_event is not None:
+            header.cuda_wait_event = bytes(cuda_wait_event)
         return self._stream_layer("AttentionLayer", header, inline, n_tokens, output, timeout)
 
     def release_kv(self, kv_handle, timeout=None):

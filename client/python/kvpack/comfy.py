@@ -29,6 +29,12 @@ import grpc
 
 from kvpack.errors import KvpackError
 
+try:
+    import torch
+    from kvpack import torch_ops
+except ImportError:     # the node module loads without torch (ComfyUI always has it)
+    torch = torch_ops = None
+
 log = logging.getLogger("kvpack.comfy")
 
 FALLBACK_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -66,8 +72,17 @@ class AttentionOverride:
         self._lock = threading.Lock()
         self._down_until = 0.0
         self.calls = {"kvpack": 0, "fallback": 0}
+        self._original = None
+        self._op_id = torch_ops.register(self) if torch_ops is not None else None
 
     def reason_to_skip(self, q, k, v, heads, mask, skip_reshape):
+        reason = self.static_reason_to_skip(q, k, v, heads, mask, skip_reshape)
+        if reason is None and self.clock() < self._down_until:
+            return "daemon unavailable"
+        return reason
+
+    def static_reason_to_skip(self, q, k, v, heads, mask, skip_reshape):
+        """What the call's arguments alone rule out (shapes and mask: traceable by Dynamo)."""
         if mask is not None:
             return "mask"
         if q.shape != k.shape or k.shape != v.shape:
@@ -78,12 +93,14 @@ class AttentionOverride:
             return f"head_dim {d}"
         if n < self.min_tokens:
             return "short sequence"
-        if self.clock() < self._down_until:
-            return "daemon unavailable"
         return None
 
     def __call__(self, original, q, k, v, heads, mask=None, attn_precision=None,
                  skip_reshape=False, skip_output_reshape=False, **kwargs):
+        if torch_ops is not None and torch_ops.compiling():
+            return self._traced(original, q, k, v, heads, mask, attn_precision, skip_reshape,
+                                skip_output_reshape, kwargs)
+
         def fallback():
             with self._lock:
                 self.calls["fallback"] += 1
@@ -91,8 +108,42 @@ class AttentionOverride:
                             skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
                             **kwargs)
 
+        self._original = original
         if self.reason_to_skip(q, k, v, heads, mask, skip_reshape):
             return fallback()
+        return self._attend_or(fallback, q, k, v, heads, skip_reshape, skip_output_reshape)
+
+    def _traced(self, original, q, k, v, heads, mask, attn_precision, skip_reshape,
+                skip_output_reshape, kwargs):
+        """Under torch.compile: calls that the arguments rule out go to the original, traced with
+        the model (no counting: a lock would break the graph); the rest is one
+        kvpack::attention_override op, which decides at run time between the daemon and the
+        fallback. That fallback runs the original recorded by the latest call (Dynamo stores it
+        after the graph runs, so the very first compiled call falls back to torch's SDPA) without
+        the call's extra keyword arguments."""
+        self._original = original
+        if self.static_reason_to_skip(q, k, v, heads, mask, skip_reshape):
+            return original(q, k, v, heads, mask=mask, attn_precision=attn_precision,
+                            skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
+                            **kwargs)
+        return torch.ops.kvpack.attention_override(q, k, v, self._op_id, heads, skip_reshape,
+                                                   skip_output_reshape)
+
+    def run_eager(self, q, k, v, heads, skip_reshape, skip_output_reshape):
+        """The body of kvpack::attention_override: the daemon, else the recorded original."""
+        original = self._original or sdpa_attention
+
+        def fallback():
+            with self._lock:
+                self.calls["fallback"] += 1
+            return original(q, k, v, heads, skip_reshape=skip_reshape,
+                            skip_output_reshape=skip_output_reshape)
+
+        if self.clock() < self._down_until:
+            return fallback()
+        return self._attend_or(fallback, q, k, v, heads, skip_reshape, skip_output_reshape)
+
+    def _attend_or(self, fallback, q, k, v, heads, skip_reshape, skip_output_reshape):
         try:
             out = self.attend(to_tokens_major(q, heads, skip_reshape),
                               to_tokens_major(k, heads, skip_reshape),
@@ -113,6 +164,15 @@ class AttentionOverride:
         with self._lock:
             self.calls["kvpack"] += 1
         return from_tokens_major(out, skip_output_reshape).to(q.dtype)
+
+
+def sdpa_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                   skip_output_reshape=False, **kwargs):
+    """ComfyUI's attention contract in plain torch SDPA (ComfyUI's attention_pytorch)."""
+    if not skip_reshape:
+        q, k, v = (t.reshape(t.shape[0], t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return o if skip_output_reshape else o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
 
 
 # ── ComfyUI node ────────────────────────────────────────────────────────────────────────────────

@@ -20,13 +20,13 @@ identity weight: 3× the data and an identity GEMM) is kept for daemons older th
 
 import logging
 import threading
-import weakref
+import time
 
 import grpc
 import numpy as np
 import torch
 
-from kvpack import tensors
+from kvpack import tensors, torch_ops
 from kvpack.errors import KvpackError
 from kvpack.types import LayerOptions, Range, RegionSlice
 
@@ -148,6 +148,7 @@ class KvpackSelfAttention(torch.nn.Module):
         self._handle = None
         self._handle_key = None
         self._lock = threading.Lock()
+        self._op_id = torch_ops.register(self)
 
     @classmethod
     def from_linear(cls, client, linear, heads, **kwargs):
@@ -191,6 +192,12 @@ class KvpackSelfAttention(torch.nn.Module):
         return from_wire_bf16(res.output, (x2.shape[0], self.heads * self.head_dim), x2)
 
     def forward(self, x, positions=None, ranges=None):
+        if torch_ops.compiling():     # one opaque op in the graph (kvpack::self_attention)
+            return torch.ops.kvpack.self_attention(x, positions, self._op_id,
+                                                   torch_ops.encode_ranges(ranges))
+        return self.forward_eager(x, positions, ranges)
+
+    def forward_eager(self, x, positions=None, ranges=None):
         batched = x.dim() == 3
         xb = x if batched else x[None]
         b, n, _ = xb.shape
@@ -264,20 +271,28 @@ def _uuid_text(uuid):
 
 
 class CudaIpcRegions:
-    """CUDA tensors' storages as CUDA IPC regions of one daemon: one region per storage,
-    registered on first use and unregistered when the storage dies (weakref.finalize).
-    `reaches(t)` says whether t sits on the daemon's GPU (Status.device_uuid against
+    """CUDA tensors as slices of CUDA IPC regions of one daemon: one region per cudaMalloc segment
+    of PyTorch's caching allocator (kvpack.cuda_segments.SegmentRegions), registered on first use
+    and addressed by offset, so steady-state calls register nothing. `sweep()` unregisters the
+    segments freed since (torch.cuda.empty_cache()); `maybe_sweep()` does so at most every 0.25 s,
+    before each call. A segment freed and reallocated at the same address is a new region, never
+    the old one. `reaches(t)` says whether t sits on the daemon's GPU (Status.device_uuid against
     torch.cuda.get_device_properties(...).uuid). Thread-safe."""
 
-    def __init__(self, client):
+    def __init__(self, client, *, driver=None):
         self.client = client
-        self._lock = threading.RLock()      # a finalizer may run inside the lock (GC)
-        self._by_storage = {}               # storage data_ptr -> (weakref, region_id, base offset)
+        self._driver = driver
+        self._lock = threading.Lock()
+        self._segments = None               # SegmentRegions, made on first use
         self._daemon = None                 # (uuid, ordinal), or () when it serves no GPU
+        self.daemon_waits_on_events = False     # Status.cuda_wait_event
+        self._reaches = {}                      # device index -> on the daemon's GPU
 
     def daemon_device(self):
         if self._daemon is None:
             st = self.client.status()
+            # getattr: stubs generated from an older kvpack.proto lack the field
+            self.daemon_waits_on_events = getattr(st, "cuda_wait_event", False)
             self._daemon = (_uuid_text(st.device_uuid), st.device_ordinal) if st.device_uuid else ()
         return self._daemon
 
@@ -287,61 +302,41 @@ class CudaIpcRegions:
         daemon = self.daemon_device()
         if not daemon:
             return False
-        props = torch.cuda.get_device_properties(t.device)
-        return _uuid_text(getattr(props, "uuid", "")) == daemon[0]
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        same = self._reaches.get(index)
+        if same is None:      # asked three times per call: the answer per device is kept
+            props = torch.cuda.get_device_properties(index)
+            same = self._reaches[index] = _uuid_text(getattr(props, "uuid", "")) == daemon[0]
+        return same
+
+    @property
+    def segments(self):
+        with self._lock:
+            if self._segments is None:
+                from kvpack.cuda_segments import SegmentRegions
+                self._segments = SegmentRegions(self.client, self.daemon_device()[1],
+                                                driver=self._driver)
+            return self._segments
+
+    @property
+    def registrations(self):
+        """RegisterRegion calls made so far (0 per call in steady state)."""
+        return self._segments.registrations if self._segments is not None else 0
 
     def slice(self, t, nbytes):
         """The RegionSlice of `nbytes` starting at t's first element."""
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        with self._lock:
-            entry = self._by_storage.get(key)
-            if entry is None or entry[0]() is not storage:
-                entry = self._register(storage, key)
-                self._by_storage[key] = entry
-        return RegionSlice(entry[1], entry[2] + t.storage_offset() * t.element_size(), nbytes)
+        return self.segments.slice(t.data_ptr(), nbytes)
 
-    def _register(self, storage, key):
-        _, handle, size, offset, rc_handle, rc_offset = storage._share_cuda_()[:6]
-        # Sharing arms PyTorch's IPC reference counter (set to 1 for one consumer process); kvpackd
-        # does not speak that protocol, so release it here, or the block would stay in PyTorch's
-        # "limbo" after the storage dies. The region is unregistered before the memory is reused.
-        release = getattr(torch.UntypedStorage, "_release_ipc_counter_cuda", None)
-        if release is not None and rc_handle:
-            release(rc_handle, rc_offset)
-        handle = bytes(handle)
-        if len(handle) == 66 and handle[1:2] == b"c":
-            # PyTorch 2.x wraps the handle: a version byte, a kind byte ('c': cudaMalloc, 'e':
-            # expandable segment), then the kind's payload — for 'c' the 64-byte cudaIpcMemHandle_t
-            # (seen as 66 bytes with PyTorch 2.11 on the H200).
-            handle = handle[2:]
-        if len(handle) != 64:
-            # e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True shares another handle kind
-            raise ValueError(f"storage IPC handle of {len(handle)} bytes, not a cudaIpcMemHandle_t")
-        region_id = self.client.register_cuda_ipc(handle, offset + size, device=self._daemon[1])
-        weakref.finalize(storage, self._forget, key, region_id)
-        return weakref.ref(storage), region_id, offset
+    def sweep(self):
+        return self._segments.sweep() if self._segments is not None else 0
 
-    def _forget(self, key, region_id):
-        with self._lock:
-            entry = self._by_storage.get(key)
-            if entry is not None and entry[1] == region_id:
-                del self._by_storage[key]
-        try:
-            self.client.unregister_region(region_id, timeout=10)
-        except Exception:   # the daemon is gone or forgot it (lease, restart): nothing to undo
-            pass
+    def maybe_sweep(self):
+        return self._segments.maybe_sweep() if self._segments is not None else 0
 
     def forget_all(self):
         """Drops every cached region (after NOT_FOUND: a daemon restart or an expired lease)."""
-        with self._lock:
-            regions = [e[1] for e in self._by_storage.values()]
-            self._by_storage.clear()
-        for region_id in regions:
-            try:
-                self.client.unregister_region(region_id, timeout=10)
-            except Exception:
-                pass
+        if self._segments is not None:
+            self._segments.forget_all()
 
 
 def projected_layout(t):
@@ -376,8 +371,35 @@ class ProjectedAttention:
         self.regions = CudaIpcRegions(client) if cuda_ipc else None
         self.last_result = None
         self.last_transport = None
+        self.last_registrations = 0     # RegisterRegion calls the last call made
+        self.last_wall_s = 0.0          # the last call's time here, daemon included
+        self.use_events = True          # stream order by CUDA IPC events where the daemon can
+        self._events = threading.local()    # per thread: {device index: interprocess event}
+        self._op_id = torch_ops.register(self)
 
     def __call__(self, q, k, v):
+        if torch_ops.compiling():     # one opaque op in the graph (kvpack::projected_attention)
+            return torch.ops.kvpack.projected_attention(q, k, v, self._op_id)
+        return self.attend_eager(q, k, v)
+
+    def attend_eager(self, q, k, v):
+        start = time.perf_counter()
+        registered = self.regions.registrations if self.regions is not None else 0
+        try:
+            return self._attend(q, k, v)
+        finally:
+            self.last_wall_s = time.perf_counter() - start
+            if self.regions is not None:
+                self.last_registrations = self.regions.registrations - registered
+
+    @property
+    def last_outside_s(self):
+        """The last call's time outside the daemon: wall time here minus the daemon's total."""
+        if self.last_result is None:
+            return None
+        return self.last_wall_s - self.last_result.seconds.total
+
+    def _attend(self, q, k, v):
         b, n, h, d = q.shape
         ranges = pack_batch([Range(0, n, 0, self.formats)], b, n)
         if self.regions is not None and all(self.regions.reaches(t) for t in (q, k, v)):
@@ -411,13 +433,46 @@ class ProjectedAttention:
         layout, row_stride, batch = layouts[0]
         span = _span_bytes(layout, row_stride, n_tokens, hd)
         out = torch.empty((b, n, hd), dtype=torch.bfloat16, device=q.device)
+        self.regions.maybe_sweep()  # unregisters the segments freed since (rate-limited)
         slices = [self.regions.slice(t, span) for t in qkv]
         out_slice = self.regions.slice(out, out.numel() * out.element_size())
-        torch.cuda.current_stream(q.device).synchronize()   # q, k, v written before kvpackd reads
-        res = self.client.attention_projected(
-            *slices, n_heads=h, head_dim=d, ranges=ranges, layout=layout, row_stride=row_stride,
-            batch=batch, n_tokens=n_tokens, options=self.options, priority=self.priority,
-            output=out_slice, timeout=self.timeout)
+        kwargs = dict(n_heads=h, head_dim=d, ranges=ranges, layout=layout, row_stride=row_stride,
+                      batch=batch, n_tokens=n_tokens, options=self.options,
+                      priority=self.priority, output=out_slice, timeout=self.timeout)
+        event = self._caller_event(q.device)
+        if event is None:
+            torch.cuda.current_stream(q.device).synchronize()  # q, k, v written before it reads
+        try:
+            res = self.client.attention_projected(*slices, cuda_wait_event=event, **kwargs)
+        except KvpackError as e:
+            if event is None or e.code != grpc.StatusCode.INVALID_ARGUMENT or \
+                    "cuda_wait_event" not in e.details:
+                raise
+            log.warning("kvpack: the daemon cannot wait for this process's events (%s); "
+                        "synchronising instead", e.details)
+            self.use_events = False
+            torch.cuda.current_stream(q.device).synchronize()
+            res = self.client.attention_projected(*slices, **kwargs)
         self.last_result, self.last_transport = res.result, "cuda_ipc"
         # kvpackd synchronised its stream before answering: `out` holds the result.
         return out.view(b, n, h, d).to(q.dtype)
+
+    def _caller_event(self, device):
+        """The IPC handle of an event recorded now on the current stream — after the work that
+        writes q, k, v and allocates the output — for the daemon to wait for (header.
+        cuda_wait_event), or None where the daemon cannot (then the caller synchronises). One
+        event per thread and device, re-recorded each call: a thread's calls are sequential, so
+        the daemon never waits for another call's record."""
+        if not (self.use_events and self.regions.daemon_waits_on_events):
+            return None
+        events = getattr(self._events, "by_device", None)
+        if events is None:
+            events = self._events.by_device = {}
+        entry = events.get(device.index)
+        if entry is None:
+            entry = [torch.cuda.Event(interprocess=True), None]   # timing off, as IPC requires
+            events[device.index] = entry
+        entry[0].record(torch.cuda.current_stream(device))
+        if entry[1] is None:
+            entry[1] = bytes(entry[0].ipc_handle())       # exists once the event was recorded
+        return entry[1]

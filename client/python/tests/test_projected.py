@@ -70,3 +70,17 @@ def test_options_that_need_weights_are_rejected(client):
         client.attention_projected(rows(1), rows(2), rows(3), n_heads=H, head_dim=D,
                                    ranges=ranges(),
                                    options=kvpack.LayerOptions(rope=kvpack.Rope(axis_dims=(D,))))
+
+
+def test_cuda_wait_event_is_checked_and_refused_on_the_cpu_backend(client):
+    assert client.status().cuda_wait_event is False
+    args = (rows(7), rows(8), rows(9))
+    with pytest.raises(errors.InvalidArgument, match="header.cuda_wait_event: 10 bytes"):
+        client.attention_projected(*args, n_heads=H, head_dim=D, ranges=ranges(),
+                                   cuda_wait_event=b"\x01" * 10)
+    with pytest.raises(errors.FailedPrecondition, match="header.cuda_wait_event.*cpu backend"):
+        client.attention_projected(*args, n_heads=H, head_dim=D, ranges=ranges(),
+                                   cuda_wait_event=b"\x01" * 64)
+    # The refused calls left nothing behind: the same call without an event runs.
+    out = client.attention_projected(*args, n_heads=H, head_dim=D, ranges=ranges())
+    assert out.output.shape == (N, HD)

@@ -10,7 +10,9 @@
 #include <cstring>
 #include <future>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "client/synthetic.h"
 #include "server/backends/cpu_backend.h"
@@ -59,7 +61,16 @@ class FakeDeviceBackend final : public Backend {
     return absl::OkStatus();
   }
   bool ReadsHostMemory() const override { return false; }
+  bool TakesIpcEvents() const override { return true; }
+  absl::Status WaitIpcEvent(const std::string& handle, absl::Time) override {
+    waited_events.push_back(handle);
+    waited_before_project = project_calls == 0;
+    return event_status;
+  }
 
+  std::vector<std::string> waited_events;  // handles, in the order waited for
+  bool waited_before_project = false;
+  absl::Status event_status;               // what WaitIpcEvent answers
   std::atomic<int> project_calls{0};
   std::atomic<uint64_t> copied_in{0}, copied_out{0};
   const uint16_t* last_out = nullptr;
@@ -100,7 +111,7 @@ struct Ran {
 };
 
 // Registers the weights in the engine's pool, plans, submits and waits.
-Ran RunOnEngine(Engine& engine, const client::SyntheticLayer& L) {
+Ran RunOnEngine(Engine& engine, const client::SyntheticLayer& L, const std::string& wait_event = "") {
   auto w = std::make_shared<WeightsEntry>();
   w->id = Registry::NewId("w-");
   w->tenant = "t";
@@ -148,6 +159,7 @@ Ran RunOnEngine(Engine& engine, const client::SyntheticLayer& L) {
   job->tensors.x = L.x.data();
   job->tensors.positions = L.positions.data();
   job->tensors.out = ran.out.data();
+  job->wait_event = wait_event;
   std::promise<absl::Status> done;
   job->done = [&done](absl::Status s) { done.set_value(std::move(s)); };
   engine.Submit(job);
@@ -295,6 +307,42 @@ TEST(Engine, StagesProjectedInputsAsWholeSpans) {
   EXPECT_EQ(fake->project_calls, 1);
   EXPECT_EQ(engine.pool().Snapshot().high_water, staged.peak);
   EXPECT_EQ(reference.pool().Snapshot().high_water, direct.peak);
+}
+
+
+TEST(Engine, WaitsForTheCallersEventBeforeTheLayerRuns) {
+  SystemClock clock;
+  auto device = std::make_unique<FakeDeviceBackend>();
+  FakeDeviceBackend* fake = device.get();
+  Engine engine(Options(), std::move(device), &clock);
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(testing::SmallSpec(47));
+  const std::string handle(64, '\x5a');
+  Ran ran = RunOnEngine(engine, L, handle);
+  ASSERT_TRUE(ran.status.ok()) << ran.status;
+  EXPECT_EQ(fake->waited_events, std::vector<std::string>{handle});
+  EXPECT_TRUE(fake->waited_before_project);
+  // Without an event nothing is waited for.
+  ASSERT_TRUE(RunOnEngine(engine, L).status.ok());
+  EXPECT_EQ(fake->waited_events.size(), 1u);
+}
+
+TEST(Engine, AFailedWaitEndsTheJobBeforeItRunsAndFreesItsMemory) {
+  SystemClock clock;
+  auto device = std::make_unique<FakeDeviceBackend>();
+  FakeDeviceBackend* fake = device.get();
+  fake->event_status = absl::DeadlineExceededError("the deadline passed while waiting for header.cuda_wait_event");
+  Engine engine(Options(), std::move(device), &clock);
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(testing::SmallSpec(53));
+  Ran ran = RunOnEngine(engine, L, std::string(64, '\x33'));
+  EXPECT_EQ(ran.status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(fake->project_calls, 0);
+  EXPECT_EQ(engine.pool().Snapshot().reserved, 0u);
+  // The executor drops the job (and the weights lease it holds) just after `done` fired.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (engine.pool().Snapshot().allocated != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(engine.pool().Snapshot().allocated, 0u);
 }
 
 }  // namespace
