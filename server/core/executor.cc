@@ -18,12 +18,27 @@ Executor::~Executor() {
   for (std::thread& t : threads_) t.join();
 }
 
-void Executor::Post(std::function<void()> task) {
+uint64_t Executor::Post(std::function<void()> task) {
+  uint64_t id;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    tasks_.push_back(std::move(task));
+    id = next_id_++;
+    tasks_.push_back(Task{id, std::move(task)});
   }
   cv_.notify_one();
+  return id;
+}
+
+bool Executor::Withdraw(uint64_t id) {
+  std::function<void()> dropped;  // destroyed after the lock is let go (it may own a pool reservation)
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = tasks_.begin(); it != tasks_.end(); ++it) {
+    if (it->id != id) continue;
+    dropped = std::move(it->run);
+    tasks_.erase(it);
+    return true;
+  }
+  return false;
 }
 
 int Executor::Running() const {
@@ -43,7 +58,7 @@ void Executor::Loop() {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
       if (tasks_.empty()) return;  // stopping, and everything posted has run
-      task = std::move(tasks_.front());
+      task = std::move(tasks_.front().run);
       tasks_.pop_front();
       ++running_;
     }

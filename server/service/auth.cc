@@ -2,8 +2,10 @@
 
 #include <fstream>
 #include <sstream>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "server/service/bounded.h"
 
 namespace kvpack::server {
 namespace {
@@ -60,24 +62,27 @@ absl::StatusOr<std::string> Auth::Authorize(const grpc::CallbackServerContext& c
   const auto& md = context.client_metadata();
   std::string tenant;
   if (auto it = md.find(kTenantHeader); it != md.end()) tenant.assign(it->second.data(), it->second.size());
+  // The token first: a caller without a valid one learns nothing about what else is wrong.
+  const std::string* bound = nullptr;
+  if (!tokens_.empty()) {
+    auto it = md.find("authorization");
+    if (it == md.end()) return absl::UnauthenticatedError("authorization: a bearer token is required");
+    const std::string_view value(it->second.data(), it->second.size());
+    constexpr std::string_view kBearer = "Bearer ";
+    if (value.substr(0, kBearer.size()) != kBearer) {
+      return absl::UnauthenticatedError("authorization: expected \"Bearer <token>\"");
+    }
+    const std::string token(value.substr(kBearer.size()));
+    for (const auto& [known, known_tenant] : tokens_) {
+      if (ConstantTimeEquals(token, known)) bound = &known_tenant;
+    }
+    if (bound == nullptr) return absl::UnauthenticatedError("authorization: unknown token");
+  }
   if (!tenant.empty() && !ValidTenantName(tenant)) {
-    return absl::InvalidArgumentError(absl::StrCat(kTenantHeader, ": \"", tenant.substr(0, 80),
+    return absl::InvalidArgumentError(absl::StrCat(kTenantHeader, ": \"", Bounded(tenant),
                                                    "\" is not a tenant name (1-64 of A-Z a-z 0-9 . _ -)"));
   }
-  if (tokens_.empty()) return tenant.empty() ? std::string(kDefaultTenant) : tenant;
-
-  auto it = md.find("authorization");
-  if (it == md.end()) return absl::UnauthenticatedError("authorization: a bearer token is required");
-  const std::string value(it->second.data(), it->second.size());
-  constexpr char kBearer[] = "Bearer ";
-  if (value.rfind(kBearer, 0) != 0) return absl::UnauthenticatedError("authorization: expected \"Bearer <token>\"");
-  const std::string token = value.substr(sizeof(kBearer) - 1);
-  const std::string* bound = nullptr;
-  for (const auto& [known, known_tenant] : tokens_) {
-    if (ConstantTimeEquals(token, known)) bound = &known_tenant;
-  }
-  if (bound == nullptr) return absl::UnauthenticatedError("authorization: unknown token");
-  if (bound->empty()) return tenant.empty() ? std::string(kDefaultTenant) : tenant;
+  if (bound == nullptr || bound->empty()) return tenant.empty() ? std::string(kDefaultTenant) : tenant;
   if (!tenant.empty() && tenant != *bound) {
     return absl::PermissionDeniedError(absl::StrCat("this token may not act as tenant \"", tenant, "\""));
   }

@@ -1,5 +1,6 @@
 #include "server/service/engine.h"
 
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -26,7 +27,8 @@ Engine::Engine(EngineOptions options, std::unique_ptr<Backend> backend, const Cl
       clock_(clock),
       backend_(std::move(backend)),
       pool_(std::make_unique<Pool>(options_.budget_bytes, backend_->CreateArena())),
-      registry_(clock, options_.lease) {
+      registry_(clock, options_.lease, options_.registry),
+      inline_budget_(options_.max_inline_bytes_in_flight) {
   scheduler_ = std::make_unique<Scheduler>(options_.scheduler, pool_.get(), clock_);
   if (backend_->TakesTurns()) turns_ = std::make_unique<TurnArbiter>(options_.turns, clock_);
   metrics_ = std::make_unique<Metrics>(options_.version, backend_->name(), [this] { return Gauges(); });
@@ -108,13 +110,24 @@ void Engine::Submit(std::shared_ptr<LayerJob> job) {
   sj.on_admit = [this, job](Pool::Reservation reservation) {
     auto shared = std::make_shared<Pool::Reservation>(std::move(reservation));
     {
+      // Posted under mu_, so Run (which takes mu_ first) always finds its posted_ entry to erase.
+      // The reservation lives in the task: withdrawing the task frees it.
       std::lock_guard<std::mutex> lock(mu_);
       ++running_[job->tenant];
       ++running_total_;
+      const uint64_t task = executor_->Post([this, job, shared] { Run(job, std::move(*shared)); });
+      job->task = task;
+      posted_[task] = job;
     }
-    executor_->Post([this, job, shared] { Run(job, std::move(*shared)); });
+    // Cancel() or Drain() may have run before the task id was set.
+    if (job->cancelled) Withdraw(job, absl::CancelledError("cancelled while waiting for an executor thread"));
+    if (draining_) Withdraw(job, absl::UnavailableError("kvpackd is shutting down; the request had not started"));
   };
   sj.on_reject = [job](absl::Status status) { job->done(std::move(status)); };
+  if (draining_) {
+    job->done(absl::UnavailableError("kvpackd is shutting down"));
+    return;
+  }
   absl::StatusOr<uint64_t> ticket = scheduler_->Submit(std::move(sj));
   if (!ticket.ok()) {
     job->done(ticket.status());
@@ -145,7 +158,28 @@ void Engine::Unclaim(const std::string& tenant, uint64_t bytes) {
 void Engine::Cancel(const std::shared_ptr<LayerJob>& job) {
   job->cancelled = true;
   if (job->ticket != 0) scheduler_->Cancel(job->ticket);
+  Withdraw(job, absl::CancelledError("cancelled while waiting for an executor thread"));
   if (turns_ && job->turn != 0) turns_->Cancel(job->turn);
+}
+
+bool Engine::Withdraw(const std::shared_ptr<LayerJob>& job, absl::Status status) {
+  const uint64_t task = job->task;
+  if (task == 0 || !executor_->Withdraw(task)) return false;  // destroys the task, so its reservation
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    posted_.erase(task);
+  }
+  Retire(*job);
+  job->done(std::move(status));
+  return true;
+}
+
+void Engine::Retire(const LayerJob& job) {
+  if (options_.tenant_quota_bytes > 0) Unclaim(job.tenant, job.plan.peak_bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--running_[job.tenant] == 0) running_.erase(job.tenant);
+  --running_total_;
+  last_finished_ = clock_->Now();
 }
 
 void Engine::Tick() {
@@ -163,7 +197,17 @@ void Engine::Tick() {
 }
 
 void Engine::Drain() {
-  scheduler_->RejectAll(absl::UnavailableError("kvpackd is shutting down"));
+  // Queued work is rejected, not run: see docs/daemon.md ("Shutdown") for why.
+  draining_ = true;
+  scheduler_->RejectAll(absl::UnavailableError("kvpackd is shutting down; the request had not started"));
+  std::vector<std::shared_ptr<LayerJob>> posted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [task, job] : posted_) posted.push_back(job);
+  }
+  for (const std::shared_ptr<LayerJob>& job : posted) {
+    Withdraw(job, absl::UnavailableError("kvpackd is shutting down; the request had not started"));
+  }
   for (;;) {
     if (Running() == 0 && executor_->Pending() == 0) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -198,27 +242,32 @@ GaugeValues Engine::Gauges() const {
   v.cuda_ipc_regions = c.cuda_ipc;
   v.weights_handles = c.weights;
   v.kv_handles = c.kv;
+  v.inline_held = inline_budget_.held();
+  v.inline_budget = inline_budget_.max();
   return v;
 }
 
 void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reservation) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    posted_.erase(job->task);
+  }
   if (turns_) {
     job->turn = turns_->Join(job->tenant, job->priority);
     if (job->cancelled) turns_->Cancel(job->turn);  // Cancel() may have run before the id was set
   }
-  absl::Status status = RunLocked(*job, reservation);
+  absl::Status status;
+  try {
+    status = RunLocked(*job, reservation);
+  } catch (const std::bad_alloc&) {  // host memory of the backend (e.g. a CPU layer's vectors)
+    status = absl::ResourceExhaustedError("the daemon ran out of host memory while running the layer");
+  }
   if (turns_) {
     turns_->Leave(job->turn);
     metrics_->ObserveTurnWait(job->turn_wait_seconds);
   }
-  if (options_.tenant_quota_bytes > 0) Unclaim(job->tenant, job->plan.peak_bytes);
   reservation.Release();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (--running_[job->tenant] == 0) running_.erase(job->tenant);
-    --running_total_;
-    last_finished_ = clock_->Now();
-  }
+  Retire(*job);
   job->done(std::move(status));
 }
 

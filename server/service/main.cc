@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -16,6 +17,7 @@
 #include "server/backends/backend.h"
 #include "server/service/options.h"
 #include "server/service/service.h"
+#include "server/service/shm_guard.h"
 
 namespace kvpack::server {
 namespace {
@@ -40,6 +42,20 @@ uint64_t HostAvailableBytes() {
     if (key == "MemAvailable:") return kb * 1024;
   }
   return 0;
+}
+
+void RaiseFileLimit(int max_regions) {
+  constexpr rlim_t kOtherDescriptors = 256;  // sockets, metrics server, logs
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  limit.rlim_cur = limit.rlim_max;
+  setrlimit(RLIMIT_NOFILE, &limit);
+  if (limit.rlim_cur < static_cast<rlim_t>(max_regions) + kOtherDescriptors) {
+    std::fprintf(stderr, "kvpackd: warning: %llu file descriptors allowed; --max_regions=%d needs about %llu "
+                 "(registering regions fails with RESOURCE_EXHAUSTED beyond that)\n",
+                 static_cast<unsigned long long>(limit.rlim_cur), max_regions,
+                 static_cast<unsigned long long>(max_regions + kOtherDescriptors));
+  }
 }
 
 int Fail(const std::string& message) {
@@ -89,11 +105,21 @@ int Main(int argc, char** argv) {
   eo.max_chunk_tokens = o.max_chunk_tokens;
   eo.lease = absl::Seconds(o.lease_seconds);
   eo.tenant_quota_bytes = o.tenant_quota.bytes;
+  eo.max_inline_bytes_in_flight = o.max_inline_in_flight.Resolve(HostAvailableBytes());
+  eo.registry.max_regions = o.max_regions;
+  eo.registry.max_regions_per_tenant = o.max_regions_per_tenant;
+  if (o.max_regions > kMaxGuardedRanges) {
+    return Fail("--max_regions=" + std::to_string(o.max_regions) + " is above " + std::to_string(kMaxGuardedRanges));
+  }
+  // Each shared-memory region keeps its object's file descriptor open (every use checks the size):
+  // take the hard limit on descriptors, and say so when it is below what --max_regions needs.
+  RaiseFileLimit(o.max_regions);
   eo.version = kVersion;
   SystemClock clock;
   Engine engine(eo, std::move(*backend), &clock);
   ServiceLimits limits;
   limits.max_inline_bytes = o.max_inline.bytes;
+  limits.max_chunks_per_call = o.max_chunks_per_call;
   KvpackService service(&engine, std::move(auth), limits);
 
   int metrics_port = 0;

@@ -86,6 +86,14 @@ class Metrics::GaugeCollectable final : public prometheus::Collectable {
     AddGauge(&handles, v.weights_handles, {{"kind", "weights"}});
     AddGauge(&handles, v.kv_handles, {{"kind", "kv"}});
     out.push_back(std::move(handles));
+    auto inline_bytes = GaugeFamily("kvpack_inline_bytes",
+                                    "Host bytes of inline tensors held by calls in flight (outside the pool)");
+    AddGauge(&inline_bytes, static_cast<double>(v.inline_held));
+    out.push_back(std::move(inline_bytes));
+    auto inline_budget = GaugeFamily("kvpack_inline_budget_bytes",
+                                     "The --max_inline_bytes_in_flight ceiling on kvpack_inline_bytes");
+    AddGauge(&inline_budget, static_cast<double>(v.inline_budget));
+    out.push_back(std::move(inline_budget));
     auto info = GaugeFamily("kvpack_build_info", "Which build and backend serve");
     AddGauge(&info, 1.0, {{"backend", backend_}, {"version", version_}});
     out.push_back(std::move(info));

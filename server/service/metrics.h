@@ -42,6 +42,8 @@ struct GaugeValues {
   int cuda_ipc_regions = 0;
   int weights_handles = 0;
   int kv_handles = 0;
+  uint64_t inline_held = 0;    // host bytes of inline tensors of calls in flight
+  uint64_t inline_budget = 0;  // --max_inline_bytes_in_flight
 };
 
 enum class Stage { kQueue, kProject, kAttend, kTransfer };

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/service/bounded.h"
 #include "server/service/convert.h"
 #include "server/service/status_map.h"
 
@@ -31,6 +32,11 @@ absl::Status CheckLimits(const LayerShape& shape, const ServiceLimits& limits) {
                                                    " page tables entries"));
   }
   return absl::OkStatus();
+}
+
+absl::Status TooManyChunks(const ServiceLimits& limits) {
+  return absl::ResourceExhaustedError(absl::StrCat("chunk: more than ", limits.max_chunks_per_call,
+                                                   " chunks in one call (--max_chunks_per_call); send larger chunks"));
 }
 
 KvpackService::KvpackService(Engine* engine, Auth auth, ServiceLimits limits)
@@ -180,8 +186,7 @@ grpc::ServerUnaryReactor* KvpackService::RegisterRegion(grpc::CallbackServerCont
       if (!region.ok()) return FinishUnary(context, kMethod, region.status());
       response->set_region_id((*region)->id());
       response->set_lease_seconds(absl::ToDoubleSeconds(engine_->registry().lease()));
-      engine_->registry().AddRegion(std::move(*region));
-      return FinishUnary(context, kMethod, absl::OkStatus());
+      return FinishUnary(context, kMethod, engine_->registry().AddRegion(std::move(*region)));
     }
     case v1::REGION_CUDA_IPC: {
       if (request->cuda_ipc_handle().size() != 64) {
@@ -199,8 +204,7 @@ grpc::ServerUnaryReactor* KvpackService::RegisterRegion(grpc::CallbackServerCont
                                              request->size_bytes(), std::move(mapping->close));
       response->set_region_id(region->id());
       response->set_lease_seconds(absl::ToDoubleSeconds(engine_->registry().lease()));
-      engine_->registry().AddRegion(std::move(region));
-      return FinishUnary(context, kMethod, absl::OkStatus());
+      return FinishUnary(context, kMethod, engine_->registry().AddRegion(std::move(region)));
     }
     default:
       return FinishUnary(context, kMethod,
@@ -241,7 +245,7 @@ grpc::ServerUnaryReactor* KvpackService::RegionStatus(grpc::CallbackServerContex
   }
   if (!found) {
     return FinishUnary(context, kMethod,
-                       absl::NotFoundError(absl::StrCat("region_id = \"", request->region_id(), "\": no such region for this tenant")));
+                       absl::NotFoundError(absl::StrCat("region_id = \"", Bounded(request->region_id()), "\": no such region for this tenant")));
   }
   return FinishUnary(context, kMethod, absl::OkStatus());
 }

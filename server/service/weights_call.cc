@@ -39,9 +39,11 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
       OnUploadComplete();
       return;
     }
-    const absl::Status s = DispatchUpload(
-        in_, entry_ != nullptr, [this](const v1::WeightsHeader& h) { return OnHeader(h); },
-        [this](const v1::TensorChunk& c) { return OnChunk(c); });
+    const absl::Status s = CatchAllocationFailure([this] {
+      return DispatchUpload(
+          in_, entry_ != nullptr, [this](const v1::WeightsHeader& h) { return OnHeader(h); },
+          [this](const v1::TensorChunk& c) { return OnChunk(c); });
+    });
     if (!s.ok()) {
       FinishOnce(s);
       return;
@@ -118,6 +120,7 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
       absl::StatusOr<uint8_t*> src = use->get()->Slice(slice.offset(), p.size, field);
       if (!src.ok()) return src.status();
       if (absl::Status s = engine.backend().CopyToPool(entry->lease.data() + p.offset, *src, p.size); !s.ok()) return s;
+      if (absl::Status s = use->get()->Intact(); !s.ok()) return s;  // truncated during the copy
       p.received = p.size;
     }
     entry_ = std::move(entry);
@@ -129,6 +132,7 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
   }
 
   absl::Status OnChunk(const v1::TensorChunk& chunk) {
+    if (++chunks_ > service_->limits().max_chunks_per_call) return TooManyChunks(service_->limits());
     Part* part = nullptr;
     for (Part& p : parts_) {
       if (p.id == chunk.tensor()) part = &p;
@@ -189,6 +193,7 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
   v1::WeightsRequest in_;
   std::shared_ptr<WeightsEntry> entry_;
   Part parts_[4];
+  int64_t chunks_ = 0;
   bool finished_ = false;
 };
 

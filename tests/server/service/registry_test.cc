@@ -69,7 +69,7 @@ TEST(Registry, EntriesInUseAreNotReaped) {
   int unmapped = 0;
   auto region = FakeRegion("t", &unmapped);
   const std::string id = region->id();
-  r.AddRegion(std::move(region));
+  ASSERT_TRUE(r.AddRegion(std::move(region)).ok());
   {
     absl::StatusOr<RegionUse> use = r.UseRegion("t", id, "x");
     ASSERT_TRUE(use.ok());
@@ -87,7 +87,7 @@ TEST(Registry, UnregisterWaitsForUsersAndSlicesAreBoundsChecked) {
   int unmapped = 0;
   auto region = FakeRegion("t", &unmapped);
   const std::string id = region->id();
-  r.AddRegion(std::move(region));
+  ASSERT_TRUE(r.AddRegion(std::move(region)).ok());
   absl::StatusOr<RegionUse> use = r.UseRegion("t", id, "header.x.region");
   ASSERT_TRUE(use.ok());
   EXPECT_TRUE(use->get()->Slice(60, 4, "f").ok());
@@ -104,6 +104,44 @@ TEST(Registry, UnregisterWaitsForUsersAndSlicesAreBoundsChecked) {
   *use = RegionUse();  // the last user lets go
   EXPECT_TRUE(done);
   EXPECT_EQ(unmapped, 1);
+}
+
+TEST(Registry, RegionsAreBoundedPerTenantAndPerDaemon) {
+  ManualClock clock;
+  Registry r(&clock, absl::Seconds(10), RegistryLimits{/*max_regions=*/3, /*max_regions_per_tenant=*/2});
+  int unmapped = 0;
+  ASSERT_TRUE(r.AddRegion(FakeRegion("a", &unmapped)).ok());
+  auto second = FakeRegion("a", &unmapped);
+  const std::string second_id = second->id();
+  ASSERT_TRUE(r.AddRegion(second).ok());
+  second.reset();
+  absl::Status s = r.AddRegion(FakeRegion("a", &unmapped));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("--max_regions_per_tenant"), std::string::npos) << s;
+  EXPECT_EQ(unmapped, 1);  // the refused region is unmapped at once
+  ASSERT_TRUE(r.AddRegion(FakeRegion("b", &unmapped)).ok());
+  s = r.AddRegion(FakeRegion("c", &unmapped));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("--max_regions"), std::string::npos) << s;
+  // Unregistering gives the slot back.
+  ASSERT_TRUE(r.UnregisterRegion("a", second_id, [] {}).ok());
+  EXPECT_TRUE(r.AddRegion(FakeRegion("a", &unmapped)).ok());
+  EXPECT_EQ(r.TenantCounts("a").shm, 2);
+}
+
+TEST(Registry, ErrorsEchoAtMostABoundedPrefixOfClientStrings) {
+  ManualClock clock;
+  Registry r(&clock, absl::Seconds(10));
+  const std::string huge(1 << 20, 'w');
+  absl::Status s = r.GetWeights("t", huge, "header.weights_handle").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_LT(s.message().size(), 200u) << s.message().size();
+  EXPECT_NE(s.message().find("\u2026"), std::string::npos);
+  s = r.UseRegion("t", huge, "header.x.region").status();
+  EXPECT_LT(s.message().size(), 200u);
+  s = MapShmRegion("t", "/" + huge, 64).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LT(s.message().size(), 200u);
 }
 
 }  // namespace
