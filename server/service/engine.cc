@@ -196,7 +196,7 @@ void Engine::Tick() {
   if (idle && scheduler_->QueueDepth() == 0) pool_->Trim();
 }
 
-void Engine::Drain() {
+void Engine::RejectQueued() {
   // Queued work is rejected, not run: see docs/daemon.md ("Shutdown") for why.
   draining_ = true;
   scheduler_->RejectAll(absl::UnavailableError("kvpackd is shutting down; the request had not started"));
@@ -208,6 +208,10 @@ void Engine::Drain() {
   for (const std::shared_ptr<LayerJob>& job : posted) {
     Withdraw(job, absl::UnavailableError("kvpackd is shutting down; the request had not started"));
   }
+}
+
+void Engine::Drain() {
+  RejectQueued();
   for (;;) {
     if (Running() == 0 && executor_->Pending() == 0) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));

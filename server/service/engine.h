@@ -119,8 +119,10 @@ class Engine {
 
   // Periodic work: deadlines in the queue, expired leases.
   void Tick();
-  // Shutdown: rejects with UNAVAILABLE every job that has not started — waiting for memory, admitted
-  // but waiting for an executor thread, or submitted from now on — and waits for running ones.
+  // Shutdown, step one: rejects with UNAVAILABLE every job that has not started — waiting for memory,
+  // admitted but waiting for an executor thread, or submitted from now on. Returns at once.
+  void RejectQueued();
+  // RejectQueued(), then waits for the running jobs.
   void Drain();
 
   GaugeValues Gauges() const;

@@ -1,5 +1,6 @@
 // kvpackd: serves kvpack.v1 over gRPC on one backend, with Prometheus metrics, health and
-// reflection. SIGTERM/SIGINT: stop admitting, let in-flight calls finish (--drain_seconds), exit 0.
+// reflection. SIGTERM/SIGINT: stop admitting, reject queued requests (UNAVAILABLE), let running
+// layers finish (--drain_seconds), exit 0.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -178,6 +179,9 @@ int Main(int argc, char** argv) {
   std::fprintf(stderr, "kvpackd: %s: draining (up to %.0f s)\n", sig == SIGTERM ? "SIGTERM" : "SIGINT", o.drain_seconds);
   service.StartDraining();
   health->SetServingStatus(false);
+  // Before Shutdown, which waits for every call in flight: queued layers are calls in flight too,
+  // and would otherwise all run during the drain (docs/daemon.md, "Shutdown").
+  engine.RejectQueued();
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(o.drain_seconds * 1000)));
   engine.Drain();
