@@ -4,6 +4,8 @@
 #include <sstream>
 #include <string_view>
 
+#include <grpcpp/support/byte_buffer.h>
+
 #include "absl/strings/str_cat.h"
 #include "server/service/bounded.h"
 
@@ -58,8 +60,7 @@ Auth Auth::FromTokens(std::map<std::string, std::string> token_to_tenant) {
   return auth;
 }
 
-absl::StatusOr<std::string> Auth::Authorize(const grpc::CallbackServerContext& context) const {
-  const auto& md = context.client_metadata();
+absl::StatusOr<std::string> Auth::Authorize(const std::multimap<grpc::string_ref, grpc::string_ref>& md) const {
   std::string tenant;
   if (auto it = md.find(kTenantHeader); it != md.end()) tenant.assign(it->second.data(), it->second.size());
   // The token first: a caller without a valid one learns nothing about what else is wrong.
@@ -87,6 +88,54 @@ absl::StatusOr<std::string> Auth::Authorize(const grpc::CallbackServerContext& c
     return absl::PermissionDeniedError(absl::StrCat("this token may not act as tenant \"", tenant, "\""));
   }
   return *bound;
+}
+
+namespace {
+
+class ReflectionAuthInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit ReflectionAuthInterceptor(const Auth* auth) : auth_(auth) {}
+
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    using grpc::experimental::InterceptionHookPoints;
+    if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_INITIAL_METADATA)) {
+      const absl::StatusOr<std::string> tenant = auth_->Authorize(*methods->GetRecvInitialMetadata());
+      if (!tenant.ok()) denied_ = grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(tenant.status().message()));
+    }
+    if (!denied_.ok() && methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_MESSAGE)) {
+      grpc::Slice empty;
+      *methods->GetSerializedSendMessage() = grpc::ByteBuffer(&empty, 1);  // an empty response
+    }
+    if (!denied_.ok() && methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS)) {
+      methods->ModifySendStatus(denied_);
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const Auth* const auth_;
+  grpc::Status denied_;  // OK until the metadata is found wanting
+};
+
+class ReflectionAuthFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit ReflectionAuthFactory(const Auth* auth) : auth_(auth) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
+    constexpr std::string_view kReflection = "/grpc.reflection.";
+    const std::string_view method = info->method() != nullptr ? info->method() : "";
+    if (!auth_->required() || method.substr(0, kReflection.size()) != kReflection) return nullptr;
+    return new ReflectionAuthInterceptor(auth_);
+  }
+
+ private:
+  const Auth* const auth_;
+};
+
+}  // namespace
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> NewReflectionAuthInterceptor(
+    const Auth* auth) {
+  return std::make_unique<ReflectionAuthFactory>(auth);
 }
 
 }  // namespace kvpack::server
