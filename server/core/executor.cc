@@ -1,12 +1,16 @@
 #include "server/core/executor.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <utility>
 
 namespace kvpack::server {
 
-Executor::Executor(int n_threads) {
+Executor::Executor(int n_threads, int nice) {
   if (n_threads < 1) n_threads = 1;
-  for (int i = 0; i < n_threads; ++i) threads_.emplace_back([this] { Loop(); });
+  for (int i = 0; i < n_threads; ++i) threads_.emplace_back([this, nice] { Loop(nice); });
 }
 
 Executor::~Executor() {
@@ -51,7 +55,9 @@ int Executor::Pending() const {
   return static_cast<int>(tasks_.size());
 }
 
-void Executor::Loop() {
+void Executor::Loop(int nice) {
+  // Raising one's own nice value needs no privilege; a failure leaves the default priority.
+  if (nice > 0) setpriority(PRIO_PROCESS, static_cast<id_t>(syscall(SYS_gettid)), nice);
   for (;;) {
     std::function<void()> task;
     {

@@ -17,7 +17,10 @@ namespace kvpack::server {
 
 class Executor {
  public:
-  explicit Executor(int n_threads);
+  // `nice` > 0 lowers the threads' CPU priority (Linux: per-thread nice; the threads a task starts
+  // inherit it), so the daemon's RPC threads — Status, Plan, uploads — are not starved by CPU
+  // layer work on a small host.
+  explicit Executor(int n_threads, int nice = 0);
   ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
@@ -31,7 +34,7 @@ class Executor {
   int Pending() const;  // tasks posted and not started
 
  private:
-  void Loop();
+  void Loop(int nice);
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

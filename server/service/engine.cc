@@ -34,7 +34,7 @@ Engine::Engine(EngineOptions options, std::unique_ptr<Backend> backend, const Cl
   metrics_ = std::make_unique<Metrics>(options_.version, backend_->name(), options_.budget_bytes,
                                        [this] { return Gauges(); });
   pool_->SetReleaseListener([this] { scheduler_->Pump(); });
-  executor_ = std::make_unique<Executor>(options_.executor_threads);
+  executor_ = std::make_unique<Executor>(options_.executor_threads, options_.executor_nice);
 }
 
 Engine::~Engine() {

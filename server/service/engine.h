@@ -38,6 +38,7 @@ struct EngineOptions {
   SchedulerOptions scheduler;
   TurnOptions turns;  // GPU turns between running requests, on backends that TakesTurns()
   int executor_threads = 1;
+  int executor_nice = 0;  // --layer_nice: CPU priority of the threads that run layers (Executor)
   absl::Duration lease = absl::Minutes(10);
   int64_t max_chunk_tokens = 16384;  // cap on Tp and Tq: the CPU backend stops between chunks
   uint64_t tenant_quota_bytes = 0;  // 0: none; caps each tenant's pool bytes (weights, kept K/V, plans)

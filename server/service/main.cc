@@ -8,6 +8,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -104,6 +105,7 @@ int Main(int argc, char** argv) {
   if (eo.budget_bytes == 0) return Fail("--vram_budget resolves to 0 bytes");
   eo.scheduler.max_queue = static_cast<size_t>(o.max_queue);
   eo.executor_threads = o.threads;
+  eo.executor_nice = std::min(o.layer_nice, 19);
   eo.max_chunk_tokens = o.max_chunk_tokens;
   eo.lease = absl::Seconds(o.lease_seconds);
   eo.tenant_quota_bytes = o.tenant_quota.bytes;
