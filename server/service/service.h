@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <new>
 #include <string>
 
 #include "kvpack/v1/kvpack.grpc.pb.h"
@@ -80,6 +81,16 @@ class KvpackService final : public v1::Kvpack::CallbackService {
  private:
   grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context, const char* method,
                                         const absl::Status& status);
+  // Runs a unary handler's body; a std::bad_alloc from it finishes the call RESOURCE_EXHAUSTED
+  // (counted) instead of escaping into gRPC. REQUIRES: the body throws before it finishes the call.
+  template <typename Body>
+  grpc::ServerUnaryReactor* Guarded(grpc::CallbackServerContext* context, const char* method, Body&& body) {
+    try {
+      return body();
+    } catch (const std::bad_alloc&) {
+      return FinishUnary(context, method, absl::ResourceExhaustedError("the daemon ran out of host memory for this call"));
+    }
+  }
 
   Engine* const engine_;
   const Auth auth_;
