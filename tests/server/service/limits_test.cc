@@ -132,6 +132,47 @@ TEST_F(LayerLimitsTest, ATruncatedSharedMemoryObjectFailsTheCallNotTheDaemon) {
   StopDaemon();
 }
 
+TEST_F(LayerLimitsTest, AnObjectTruncatedWhileALayerWritesItFailsTheCallNotTheDaemon) {
+  // A layer of ~2 s on one thread writes its output into a shm region; the owner truncates the
+  // object as soon as the layer runs, so the output writes land past the object's end (SIGBUS
+  // without the guard).
+  client::SyntheticSpec spec = SmallSpec(18);
+  spec.n_tokens = 6000;
+  spec.ranges = {{6000, 0, {v1::FORMAT_INT4}}};
+  L_ = client::MakeSyntheticLayer(spec);
+  Start({"--vram_budget=256Mi", "--max_chunk_tokens=256"});
+  const uint64_t out_bytes = L_.out_bytes();
+  auto shm = client::SharedMemory::Create(out_bytes);
+  ASSERT_TRUE(shm.ok());
+  absl::StatusOr<std::string> region = c_->RegisterShmRegion((*shm)->name(), out_bytes);
+  ASSERT_TRUE(region.ok()) << region.status();
+  v1::LayerHeader h = L_.header;
+  h.set_weights_handle(handle_);
+  h.mutable_output()->set_mode(v1::OUTPUT_REGION);
+  h.mutable_output()->mutable_region()->set_region_id(*region);
+  h.mutable_output()->mutable_region()->set_size_bytes(out_bytes);
+  absl::StatusOr<v1::LayerResult> r;
+  std::thread layer([&] {
+    std::vector<uint16_t> unused;
+    r = daemon_->Connect()->AttentionLayer(h, DataOf(L_, &unused));
+  });
+  ASSERT_TRUE(WaitFor([&] { return c_->Status()->running() == 1; }));
+  const int fd = shm_open((*shm)->name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 0), 0);
+  close(fd);
+  layer.join();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_NE(r.status().message().find("truncated while a request used it"), std::string::npos) << r.status();
+  EXPECT_TRUE(*c_->Health());
+  EXPECT_TRUE(WaitFor([&] { return PoolIdle(); }));
+  // The region stays refused: its mapping is no longer the object.
+  std::vector<uint16_t> out;
+  EXPECT_EQ(c_->AttentionLayer(h, DataOf(L_, &out)).status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(c_->UnregisterRegion(*region).ok());
+  StopDaemon();
+}
+
 TEST_F(LayerLimitsTest, InlineBytesInFlightAreBudgetedCountedAndReleased) {
   const uint64_t per_call = L_.x.size() * 2 + L_.positions.size() * 4 + L_.out_bytes();
   Start({"--vram_budget=64Mi", "--max_inline_bytes_in_flight=" + std::to_string(per_call + per_call / 2)});
