@@ -180,9 +180,9 @@ TEST_F(LayerLimitsTest, InlineBytesInFlightAreBudgetedCountedAndReleased) {
   EXPECT_EQ(Sample(metrics, "kvpack_inline_budget_bytes"), static_cast<double>(per_call + per_call / 2));
   EXPECT_EQ(Sample(metrics, "kvpack_inline_bytes"), 0.0);
   // A stalled upload: the header, then nothing. Its buffers are claimed from the budget.
-  grpc::ClientContext stalled;
-  c_->Prepare(&stalled);
-  auto stream = c_->stub()->AttentionLayer(&stalled);
+  auto stalled = std::make_unique<grpc::ClientContext>();
+  c_->Prepare(stalled.get());
+  auto stream = c_->stub()->AttentionLayer(stalled.get());
   ASSERT_TRUE(stream->Write(InlineHeader(L_, handle_)));
   ASSERT_TRUE(WaitFor([&] { return Sample(daemon_->Metrics(), "kvpack_inline_bytes") == per_call; }));
   // A second call does not fit beside it.
@@ -191,9 +191,10 @@ TEST_F(LayerLimitsTest, InlineBytesInFlightAreBudgetedCountedAndReleased) {
   EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
   EXPECT_NE(s.error_message().find("--max_inline_bytes_in_flight"), std::string::npos) << s.error_message();
   // The stalled call goes; its bytes go with it.
-  stalled.TryCancel();
+  stalled->TryCancel();
   stream->Finish();
   stream.reset();
+  stalled.reset();  // its connection would hold the daemon's exit ~5 s
   EXPECT_TRUE(WaitFor([&] { return Sample(daemon_->Metrics(), "kvpack_inline_bytes") == 0.0; })) << daemon_->Metrics();
   std::vector<uint16_t> out;
   v1::LayerHeader h = L_.header;
