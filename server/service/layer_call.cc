@@ -427,13 +427,16 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
 
   // On an executor thread (or the scheduler's pump on reject).
   void OnJobDone(absl::Status status) {
-    // Handles and regions are let go before the client hears back, so a release it sends next frees
-    // their memory at once.
     // A shared-memory object truncated while the job read or wrote it was swapped for zero pages
-    // (shm_guard.h): what the job computed from or into it is void.
+    // (shm_guard.h): what the job computed from or into it is void, a kept K/V entry included.
     for (const RegionUse& use : job_->regions) {
       if (absl::Status s = use.get()->Intact(); !s.ok() && status.ok()) status = s;
     }
+    if (!status.ok() && !job_->kv_handle.empty()) {
+      (void)service_->engine().registry().ReleaseKv(tenant_, job_->kv_handle);
+    }
+    // Handles and regions are let go before the client hears back, so a release it sends next frees
+    // their memory at once.
     job_->weights.reset();
     job_->kv_in.reset();
     job_->regions.clear();
