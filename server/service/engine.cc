@@ -433,8 +433,9 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     entry->weights_id = job.weights != nullptr ? job.weights->id : "";  // "": from pre-projected input
     entry->config = config;
     entry->lease = std::move(kv_lease);
-    job.kv_handle = entry->id;
-    registry_.AddKv(std::move(entry));
+    const std::string id = entry->id;
+    if (absl::Status s = registry_.AddKv(std::move(entry)); !s.ok()) return s;  // the entry's memory is freed
+    job.kv_handle = id;
   }
   kv_lease.Release();  // (moved out when kept)
   job.release_seconds = absl::ToDoubleSeconds(clock_->Now() - release_start);

@@ -143,6 +143,9 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       }
     }
     const LayerShape& shape = request->shape;
+    if (job->keep_kv) {  // fail fast; the engine checks again when it registers the entry
+      if (absl::Status s = engine.registry().CheckHandleRoom(tenant_); !s.ok()) return s;
+    }
 
     if (mode_ == LayerMode::kAttend) {
       absl::StatusOr<std::shared_ptr<KvEntry>> kv = engine.registry().GetKv(tenant_, header.kv_handle(), "header.kv_handle");

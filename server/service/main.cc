@@ -112,6 +112,8 @@ int Main(int argc, char** argv) {
   eo.max_inline_bytes_in_flight = o.max_inline_in_flight.Resolve(HostAvailableBytes());
   eo.registry.max_regions = o.max_regions;
   eo.registry.max_regions_per_tenant = o.max_regions_per_tenant;
+  eo.registry.max_handles = o.max_handles;
+  eo.registry.max_handles_per_tenant = o.max_handles_per_tenant;
   if (o.max_regions > kMaxGuardedRanges) {
     return Fail("--max_regions=" + std::to_string(o.max_regions) + " is above " + std::to_string(kMaxGuardedRanges));
   }

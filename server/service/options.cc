@@ -32,6 +32,8 @@ const char* DaemonUsage() {
   --max_chunks_per_call=N  messages one streamed upload may send (default 65536)
   --max_regions=N          registered regions, all tenants (default 4096)
   --max_regions_per_tenant=N   registered regions of one tenant (default 1024)
+  --max_handles=N          weights and K/V handles, all tenants (default 65536)
+  --max_handles_per_tenant=N   weights and K/V handles of one tenant (default 4096)
   --layer_nice=N           nice value (0-19) of the threads that run layers, so RPCs such as Status
                            are not starved by CPU layer work (default 10)
   --drain_seconds=S        on SIGTERM/SIGINT, time in-flight calls get to finish (default 30)
@@ -53,7 +55,8 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
                                          "tls_cert_file", "tls_key_file", "threads", "cpu_threads", "max_queue",
                                          "max_chunk_tokens", "lease_seconds", "tenant_quota", "max_inline_bytes",
                                          "drain_seconds", "max_inline_bytes_in_flight", "max_chunks_per_call",
-                                         "max_regions", "max_regions_per_tenant", "layer_nice"};
+                                         "max_regions", "max_regions_per_tenant", "layer_nice",
+                                         "max_handles", "max_handles_per_tenant"};
     if (std::find(std::begin(kKnown), std::end(kKnown), bare) == std::end(kKnown)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", bare, " (see --help)"));
     }
@@ -107,6 +110,8 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
     else if (name == "max_regions") s = to_int(&o.max_regions, 1);
     else if (name == "max_regions_per_tenant") s = to_int(&o.max_regions_per_tenant, 1);
     else if (name == "layer_nice") s = to_int(&o.layer_nice, 0);
+    else if (name == "max_handles") s = to_int(&o.max_handles, 1);
+    else if (name == "max_handles_per_tenant") s = to_int(&o.max_handles_per_tenant, 1);
     else return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
     if (!s.ok()) return s;
   }

@@ -27,6 +27,8 @@ struct DaemonOptions {
   int max_chunks_per_call = 65536;
   int max_regions = 4096;
   int max_regions_per_tenant = 1024;
+  int max_handles = 65536;
+  int max_handles_per_tenant = 4096;
   int layer_nice = 10;             // nice value of the executor threads (0..19)
   double drain_seconds = 30;       // SIGTERM: how long in-flight calls may take to finish
   bool help = false;

@@ -105,16 +105,46 @@ std::string Registry::NewId(const char* prefix) {
   return absl::StrCat(prefix, buf);
 }
 
-void Registry::AddWeights(std::shared_ptr<WeightsEntry> entry) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const std::string id = entry->id;
-  weights_[id] = Slot<WeightsEntry>{std::move(entry), clock_->Now()};
+absl::Status Registry::HandleRoomLocked(const std::string& tenant) const {
+  auto it = handles_by_tenant_.find(tenant);
+  if (it != handles_by_tenant_.end() && it->second >= limits_.max_handles_per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrCat("this tenant holds ", limits_.max_handles_per_tenant,
+                                                     " weights and K/V handles, its limit (--max_handles_per_tenant); "
+                                                     "release some"));
+  }
+  if (weights_.size() + kv_.size() >= static_cast<size_t>(limits_.max_handles)) {
+    return absl::ResourceExhaustedError(absl::StrCat("the daemon holds ", limits_.max_handles,
+                                                     " weights and K/V handles, its limit (--max_handles); retry later"));
+  }
+  return absl::OkStatus();
 }
 
-void Registry::AddKv(std::shared_ptr<KvEntry> entry) {
+absl::Status Registry::CheckHandleRoom(const std::string& tenant) const {
   std::lock_guard<std::mutex> lock(mu_);
+  return HandleRoomLocked(tenant);
+}
+
+void Registry::ForgetHandleLocked(const std::string& tenant) {
+  auto it = handles_by_tenant_.find(tenant);
+  if (it != handles_by_tenant_.end() && --it->second <= 0) handles_by_tenant_.erase(it);
+}
+
+absl::Status Registry::AddWeights(std::shared_ptr<WeightsEntry> entry) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status s = HandleRoomLocked(entry->tenant); !s.ok()) return s;
+  ++handles_by_tenant_[entry->tenant];
+  const std::string id = entry->id;
+  weights_[id] = Slot<WeightsEntry>{std::move(entry), clock_->Now()};
+  return absl::OkStatus();
+}
+
+absl::Status Registry::AddKv(std::shared_ptr<KvEntry> entry) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status s = HandleRoomLocked(entry->tenant); !s.ok()) return s;
+  ++handles_by_tenant_[entry->tenant];
   const std::string id = entry->id;
   kv_[id] = Slot<KvEntry>{std::move(entry), clock_->Now()};
+  return absl::OkStatus();
 }
 
 absl::Status Registry::AddRegion(std::shared_ptr<Region> region) {
@@ -168,6 +198,7 @@ absl::Status Registry::ReleaseWeights(const std::string& tenant, const std::stri
   if (absl::Status s = Lookup(weights_, tenant, id, "handle", &it); !s.ok()) return s;
   dropped = std::move(it->second.entry);
   weights_.erase(it);
+  ForgetHandleLocked(tenant);
   return absl::OkStatus();
 }
 
@@ -187,6 +218,7 @@ absl::Status Registry::ReleaseKv(const std::string& tenant, const std::string& i
   if (absl::Status s = Lookup(kv_, tenant, id, "handle", &it); !s.ok()) return s;
   dropped = std::move(it->second.entry);
   kv_.erase(it);
+  ForgetHandleLocked(tenant);
   return absl::OkStatus();
 }
 
@@ -263,6 +295,7 @@ int Registry::Reap() {
   const auto expired = [&](absl::Time last) { return now - last >= lease_; };
   for (auto it = weights_.begin(); it != weights_.end();) {
     if (expired(it->second.last_used) && it->second.entry.use_count() == 1) {
+      ForgetHandleLocked(it->second.entry->tenant);
       dropped.push_back(std::move(it->second.entry));
       it = weights_.erase(it);
     } else {
@@ -271,6 +304,7 @@ int Registry::Reap() {
   }
   for (auto it = kv_.begin(); it != kv_.end();) {
     if (expired(it->second.last_used) && it->second.entry.use_count() == 1) {
+      ForgetHandleLocked(it->second.entry->tenant);
       dropped.push_back(std::move(it->second.entry));
       it = kv_.erase(it);
     } else {
@@ -298,6 +332,7 @@ void Registry::Clear() {
   k.swap(kv_);
   r.swap(regions_);
   regions_by_tenant_.clear();
+  handles_by_tenant_.clear();
 }
 
 void Registry::ForgetRegionLocked(const std::string& tenant) {

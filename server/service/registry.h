@@ -126,9 +126,13 @@ struct RegistryCounts {
 // Bounds on what clients may register (RESOURCE_EXHAUSTED beyond them). Each shm region holds a
 // mapping and an open file descriptor; without a bound one tenant registering the same 4 KiB object
 // ~65k times exhausted the daemon's memory (std::bad_alloc) and file descriptors.
+// Handles are bounded too: each costs at least one 256-byte pool granule, but also host memory
+// for its entry, so a large budget alone would let tiny weights pile up millions of entries.
 struct RegistryLimits {
-  int max_regions = 4096;           // all tenants (--max_regions)
+  int max_regions = 4096;             // all tenants (--max_regions)
   int max_regions_per_tenant = 1024;  // --max_regions_per_tenant
+  int max_handles = 65536;            // weights and K/V handles, all tenants (--max_handles)
+  int max_handles_per_tenant = 4096;  // --max_handles_per_tenant
 };
 
 class Registry {
@@ -138,12 +142,16 @@ class Registry {
   static std::string NewId(const char* prefix);
   absl::Duration lease() const { return lease_; }
 
-  void AddWeights(std::shared_ptr<WeightsEntry> entry);
+  // RESOURCE_EXHAUSTED when one more handle of `tenant` would pass a handle limit (a fail-fast
+  // check before work; AddWeights/AddKv check again).
+  absl::Status CheckHandleRoom(const std::string& tenant) const;
+  // RESOURCE_EXHAUSTED (the entry dropped, its memory freed) beyond the handle limits.
+  absl::Status AddWeights(std::shared_ptr<WeightsEntry> entry);
   absl::StatusOr<std::shared_ptr<WeightsEntry>> GetWeights(const std::string& tenant, const std::string& id,
                                                            const char* field);
   absl::Status ReleaseWeights(const std::string& tenant, const std::string& id);
 
-  void AddKv(std::shared_ptr<KvEntry> entry);
+  absl::Status AddKv(std::shared_ptr<KvEntry> entry);
   absl::StatusOr<std::shared_ptr<KvEntry>> GetKv(const std::string& tenant, const std::string& id, const char* field);
   absl::Status ReleaseKv(const std::string& tenant, const std::string& id);
 
@@ -166,6 +174,8 @@ class Registry {
 
  private:
   void ForgetRegionLocked(const std::string& tenant);  // REQUIRES: mu_ held
+  absl::Status HandleRoomLocked(const std::string& tenant) const;  // REQUIRES: mu_ held
+  void ForgetHandleLocked(const std::string& tenant);  // REQUIRES: mu_ held
   template <typename T>
   struct Slot {
     std::shared_ptr<T> entry;
@@ -179,6 +189,7 @@ class Registry {
   std::map<std::string, Slot<KvEntry>> kv_;
   std::map<std::string, Slot<Region>> regions_;
   std::map<std::string, int> regions_by_tenant_;  // kept with regions_
+  std::map<std::string, int> handles_by_tenant_;  // kept with weights_ and kv_
 };
 
 // Maps the POSIX shared-memory object `name` ("/name", shm_open rules) for `size` bytes.

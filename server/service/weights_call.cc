@@ -95,6 +95,7 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
     if (refs[0]->location_case() == v1::TensorRef::LOCATION_NOT_SET) return absl::InvalidArgumentError("header.w_qkv: required");
 
     Engine& engine = service_->engine();
+    if (absl::Status s = engine.registry().CheckHandleRoom(tenant_); !s.ok()) return s;
     if (absl::Status s = engine.CheckQuota(tenant_, entry->total_bytes()); !s.ok()) return s;
     absl::StatusOr<Pool::Lease> lease = engine.pool().Allocate({entry->total_bytes(), PoolState::kWeights, tenant_, {}});
     if (!lease.ok()) return lease.status();
@@ -175,8 +176,9 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
     response_->set_handle(entry_->id);
     response_->set_pool_bytes(entry_->lease.bytes());
     response_->set_lease_seconds(absl::ToDoubleSeconds(service_->engine().registry().lease()));
-    service_->engine().registry().AddWeights(std::move(entry_));
-    FinishOnce(absl::OkStatus());
+    const absl::Status added = service_->engine().registry().AddWeights(entry_);
+    if (added.ok()) entry_.reset();  // the registry's now (leases reap entries nobody else holds)
+    FinishOnce(added);
   }
 
   void FinishOnce(const absl::Status& status) {

@@ -206,6 +206,29 @@ TEST_F(LayerLimitsTest, InlineBytesInFlightAreBudgetedCountedAndReleased) {
   StopDaemon();
 }
 
+TEST_F(LayerLimitsTest, HandlesArePerTenant) {
+  Start({"--vram_budget=64Mi", "--max_handles_per_tenant=2"});  // Start registered one weights handle
+  absl::StatusOr<v1::WeightsResponse> second = c_->RegisterWeights(WeightsOf(L_));
+  ASSERT_TRUE(second.ok()) << second.status();
+  absl::StatusOr<v1::WeightsResponse> third = c_->RegisterWeights(WeightsOf(L_));
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+  EXPECT_NE(third.status().message().find("--max_handles_per_tenant"), std::string::npos) << third.status();
+  // A layer that would keep its K/V is refused at the header too.
+  v1::LayerHeader h = L_.header;
+  h.set_weights_handle(handle_);
+  h.set_keep_kv(true);
+  std::vector<uint16_t> out;
+  absl::StatusOr<v1::LayerResult> r = c_->AttentionLayer(h, DataOf(L_, &out));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  ASSERT_TRUE(c_->ReleaseWeights(second->handle()).ok());
+  r = c_->AttentionLayer(h, DataOf(L_, &out));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->kv_handle().empty());
+  EXPECT_EQ(c_->Status()->tenant().kv_handles(), 1);
+  EXPECT_TRUE(WaitFor([&] { return c_->Status()->reserved_bytes() == 0; }));
+  StopDaemon();
+}
+
 TEST_F(LayerLimitsTest, ChunksPerCallAreBounded) {
   Start({"--vram_budget=64Mi", "--max_chunks_per_call=100"});
   // The battery sent 100,000 empty chunks, and each was accepted.
