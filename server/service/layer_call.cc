@@ -81,7 +81,12 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       FinishOnce(absl::CancelledError("the client stopped reading the output"));
       return;
     }
-    WriteNext();
+    // Each output chunk is a 2 MiB copy into the message: an allocation on a callback thread.
+    const absl::Status s = CatchAllocationFailure([this] {
+      WriteNext();
+      return absl::OkStatus();
+    });
+    if (!s.ok()) FinishOnce(s);
   }
 
   void OnCancel() override {
@@ -423,7 +428,13 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       job = job_;
       if (cancelled_) job->cancelled = true;
     }
-    job->done = [this](absl::Status status) { OnJobDone(std::move(status)); };
+    job->done = [this](absl::Status status) {
+      const absl::Status s = CatchAllocationFailure([&] {
+        OnJobDone(std::move(status));
+        return absl::OkStatus();
+      });
+      if (!s.ok()) FinishOnce(s);  // a no-op when OnJobDone finished the call before it threw
+    };
     submitted_ = true;
     service_->engine().Submit(job);
   }
