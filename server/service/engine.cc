@@ -35,6 +35,7 @@ Engine::Engine(EngineOptions options, std::unique_ptr<Backend> backend, const Cl
                                        [this] { return Gauges(); });
   pool_->SetReleaseListener([this] { scheduler_->Pump(); });
   executor_ = std::make_unique<Executor>(options_.executor_threads, options_.executor_nice);
+  RefreshDeviceMemory();
 }
 
 Engine::~Engine() {
@@ -183,7 +184,14 @@ void Engine::Retire(const LayerJob& job) {
   last_finished_ = clock_->Now();
 }
 
+void Engine::RefreshDeviceMemory() {
+  const DeviceMemory dm = backend_->QueryDeviceMemory();  // outside device_mu_: it may be slow
+  std::lock_guard<std::mutex> lock(device_mu_);
+  device_memory_ = dm;
+}
+
 void Engine::Tick() {
+  RefreshDeviceMemory();
   scheduler_->Pump();
   registry_.Reap();
   // Idle physical memory goes back to the device only after a second without requests: a frontend
@@ -237,7 +245,11 @@ GaugeValues Engine::Gauges() const {
   v.by_format = s.by_format;
   v.high_water = s.high_water;
   v.mapped = s.mapped;
-  const DeviceMemory dm = backend_->QueryDeviceMemory();
+  DeviceMemory dm;
+  {
+    std::lock_guard<std::mutex> lock(device_mu_);
+    dm = device_memory_;
+  }
   v.gpu_present = dm.present;
   v.gpu_free = dm.free_bytes;
   v.gpu_total = dm.total_bytes;

@@ -118,7 +118,7 @@ class Engine {
   // waiting at once).
   void Cancel(const std::shared_ptr<LayerJob>& job);
 
-  // Periodic work: deadlines in the queue, expired leases.
+  // Periodic work: deadlines in the queue, expired leases, the device-memory snapshot.
   void Tick();
   // Shutdown, step one: rejects with UNAVAILABLE every job that has not started — waiting for memory,
   // admitted but waiting for an executor thread, or submitted from now on. Returns at once.
@@ -126,6 +126,8 @@ class Engine {
   // RejectQueued(), then waits for the running jobs.
   void Drain();
 
+  // Snapshots only: Status and /metrics must not wait behind layer work. Device memory is the
+  // value Tick() last read (cudaMemGetInfo may wait on the driver while a layer maps memory).
   GaugeValues Gauges() const;
   int Running() const;
   std::map<std::string, int> RunningByTenant() const;
@@ -133,6 +135,7 @@ class Engine {
 
  private:
   void Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reservation);
+  void RefreshDeviceMemory();
   // Takes an admitted job back from the executor if no thread has started it: its reservation is
   // freed and done(status) called. False when it started (or was never posted).
   bool Withdraw(const std::shared_ptr<LayerJob>& job, absl::Status status);
@@ -165,6 +168,8 @@ class Engine {
   int running_total_ = 0;
   std::map<uint64_t, std::shared_ptr<LayerJob>> posted_;  // by task id: admitted, not yet started
   std::atomic<bool> draining_{false};
+  mutable std::mutex device_mu_;
+  DeviceMemory device_memory_;  // refreshed by Tick (every 50 ms in kvpackd)
   absl::Time last_finished_ = absl::InfinitePast();  // when the last job ended (idle trimming)
   std::unique_ptr<Executor> executor_;  // last: joined first on destruction
 };
