@@ -20,6 +20,7 @@ struct Slot {
 Slot g_slots[kMaxGuardedRanges];
 std::atomic<int> g_high{0};  // slots [0, g_high) may be in use
 struct sigaction g_previous;
+uintptr_t g_page = 4096;  // set before the handler is installed (sysconf is not async-signal-safe)
 
 void OnSigbus(int sig, siginfo_t* info, void* context) {
   const uintptr_t addr = reinterpret_cast<uintptr_t>(info->si_addr);
@@ -28,8 +29,7 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
     const uintptr_t base = g_slots[i].base.load(std::memory_order_acquire);
     const uint64_t size = g_slots[i].size.load(std::memory_order_acquire);
     if (base <= 1 || addr < base || addr - base >= size) continue;  // free or being claimed
-    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-    const uintptr_t from = addr & ~(page - 1);
+    const uintptr_t from = addr & ~(g_page - 1);
     void* p = mmap(reinterpret_cast<void*>(from), base + size - from, PROT_READ | PROT_WRITE,
                    MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) break;
@@ -55,6 +55,7 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
 void InstallShmGuard() {
   static std::once_flag once;
   std::call_once(once, [] {
+    g_page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
     struct sigaction action {};
     action.sa_sigaction = OnSigbus;
     action.sa_flags = SA_SIGINFO;
