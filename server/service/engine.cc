@@ -222,19 +222,28 @@ void Engine::RejectQueued() {
 void Engine::Drain() {
   RejectQueued();
   for (;;) {
-    if (Running() == 0 && executor_->Pending() == 0) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (running_total_ == 0) return;  // every admitted job retired (ran or withdrawn)
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
 
+// Admitted jobs that an executor thread has started; those still waiting for one are in the
+// executor's queue (queue_depth), and SIGTERM rejects them.
 int Engine::Running() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return running_total_;
+  return running_total_ - static_cast<int>(posted_.size());
 }
 
 std::map<std::string, int> Engine::RunningByTenant() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return running_;
+  std::map<std::string, int> out = running_;
+  for (const auto& [task, job] : posted_) {
+    if (auto it = out.find(job->tenant); it != out.end() && --it->second == 0) out.erase(it);
+  }
+  return out;
 }
 
 GaugeValues Engine::Gauges() const {

@@ -129,6 +129,7 @@ class Engine {
   // Snapshots only: Status and /metrics must not wait behind layer work. Device memory is the
   // value Tick() last read (cudaMemGetInfo may wait on the driver while a layer maps memory).
   GaugeValues Gauges() const;
+  // Jobs running on an executor thread now (not those admitted and waiting for one).
   int Running() const;
   std::map<std::string, int> RunningByTenant() const;
   bool Healthy() const { return backend_->Healthy(); }
