@@ -99,12 +99,14 @@ Error ValidateRope(const RopeOptions& rope, int head_dim) {
     return InvalidArgument("rope.n_axes = " + std::to_string(rope.n_axes) + " must be 1, 2 or 3");
   }
   if (!(rope.theta > 0.0f)) return InvalidArgument("rope.theta must be positive");
-  int total = 0;
+  // Each value is bounded before it is summed, and the sum is 64-bit: two values of 2^30 must not
+  // wrap an int to a negative total that passes "total <= head_dim".
+  int64_t total = 0;
   for (int a = 0; a < rope.n_axes; ++a) {
     const int dims = rope.axis_dims[a];
-    if (dims <= 0 || dims % 2 != 0) {
+    if (dims <= 0 || dims % 2 != 0 || dims > head_dim) {
       return InvalidArgument("rope.axis_dims[" + std::to_string(a) + "] = " + std::to_string(dims) +
-                             " must be positive and even");
+                             " must be positive, even and at most head_dim = " + std::to_string(head_dim));
     }
     total += dims;
   }
@@ -143,6 +145,19 @@ Error ValidateProjected(const LayerConfig& config) {
   if (config.in_place) return InvalidArgument("projected input: in_place is not supported (there is no x)");
   if (p.batch_tokens <= 0 || p.token_stride < 0 || p.head_stride < 0 || p.batch_stride < 0) {
     return InvalidArgument("projected: batch_tokens must be positive and strides non-negative");
+  }
+  // Offset() and SpanElements() are int64 products of client strides: bound the span in 128 bits
+  // first, so no later product wraps to a small size that passes the region bounds check.
+  if (s.n_tokens <= 0 || s.n_heads <= 0 || s.head_dim <= 0) {
+    return InvalidArgument("projected: n_tokens, n_heads and head_dim must be positive");
+  }
+  using Wide = __int128;
+  const Wide last_token = s.n_tokens - 1;
+  const Wide span = last_token / p.batch_tokens * p.batch_stride + last_token % p.batch_tokens * p.token_stride +
+                    static_cast<Wide>(s.n_heads - 1) * p.head_stride + s.head_dim;
+  if (span > kMaxProjectedSpanElements) {
+    return InvalidArgument("projected: the strides span more than " + std::to_string(kMaxProjectedSpanElements) +
+                           " elements");
   }
   // Rows of one token's heads must not overlap one another or the next token's.
   const bool token_major = p.head_stride == s.head_dim && p.token_stride >= s.HeadCols();

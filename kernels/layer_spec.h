@@ -96,6 +96,9 @@ struct ProjectedLayout {
   // Elements one tensor spans: the last element of the last token's last head, plus one.
   int64_t SpanElements(const LayerShape& shape) const;
 };
+// ValidateProjected's bound on SpanElements: 2^44 bf16 elements (32 TiB), far above any tensor a
+// host holds and far enough below 2^63 that byte counts (×2) and offsets never wrap.
+inline constexpr int64_t kMaxProjectedSpanElements = int64_t{1} << 44;
 
 // ── Tensors ─────────────────────────────────────────────────────────────────────────────────────
 

@@ -6,3 +6,5 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 "$here/scripts/build.sh"
 build=${KVPACK_BUILD_DIR:-$here/build}
 ctest --test-dir "$build" --output-on-failure -j "$(nproc)"
+# `pip install client/python` from a fresh clone, in a fresh venv (~15 s with pip's cache).
+"$here/scripts/check_python_install.sh"

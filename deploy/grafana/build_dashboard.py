@@ -104,9 +104,16 @@ def memory_panels():
               "Device memory from cudaMemGetInfo: what every process on the GPU uses (frontends "
               "too) against what kvpackd has mapped. Empty on the CPU backend.", width=12),
         panel("Per-request peak bytes", "timeseries", "bytes",
-              quantiles("kvpack_request_peak_bytes_bucket", "instance, ", "{{instance}} "),
+              quantiles("kvpack_request_peak_bytes_bucket", "instance, ", "{{instance}} ")
+              + [(f"kvpack_budget_bytes{{{SEL}}}", "{{instance}} budget")],
               "Quantiles of the peak pool bytes one request held (the planner's predicted peak "
-              "is checked against this).", width=24),
+              "is checked against this), with the budget as a line. The histogram's buckets are "
+              "fractions of the budget ending at it (1/16 of it apart above half), so no "
+              "quantile can show a peak above the budget.", width=24,
+              extra={"fieldConfig": {"defaults": {"unit": "bytes", "custom": {
+                  "fillOpacity": 0, "stacking": {"mode": "none", "group": "A"},
+                  "lineWidth": 1, "showPoints": "never"}},
+                  "overrides": [budget_override()]}}),
     ]
 
 

@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -51,7 +52,6 @@ class HostArena final : public Arena {
       if (p == nullptr) return nullptr;
       std::memset(p, 0, bytes);
     }
-    std::lock_guard<std::mutex> lock(mu_);
     mapped_ += bytes;
     return p;
   }
@@ -61,17 +61,12 @@ class HostArena final : public Arena {
     } else {
       std::free(ptr);
     }
-    std::lock_guard<std::mutex> lock(mu_);
     mapped_ -= bytes;
   }
-  uint64_t MappedBytes() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return mapped_;
-  }
+  uint64_t MappedBytes() const override { return mapped_.load(std::memory_order_relaxed); }
 
  private:
-  mutable std::mutex mu_;
-  uint64_t mapped_ = 0;
+  std::atomic<uint64_t> mapped_{0};
 };
 
 }  // namespace
@@ -172,9 +167,12 @@ void Pool::NotifyRelease() {
 }
 
 PoolSnapshot Pool::Snapshot() const {
+  // The arena is asked outside the pool's lock: an arena may be slow to answer while it maps memory
+  // for an allocation, and Status must not wait for layer work (nor hold up the pool meanwhile).
+  const uint64_t mapped = arena_->MappedBytes();
   std::lock_guard<std::mutex> lock(mu_);
   PoolSnapshot s = stats_;
-  s.mapped = arena_->MappedBytes();
+  s.mapped = mapped;
   return s;
 }
 

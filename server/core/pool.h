@@ -45,7 +45,8 @@ class Arena {
   // REQUIRES: bytes is a multiple of kPoolGranule. Returns null when the memory is not there.
   virtual void* Allocate(uint64_t bytes) = 0;
   virtual void Free(void* ptr, uint64_t bytes) = 0;
-  // Physical bytes behind the arena (equals allocated bytes for host memory).
+  // Physical bytes behind the arena (equals allocated bytes for host memory). Must not wait for
+  // an Allocate in progress: Status and /metrics read it while layers allocate.
   virtual uint64_t MappedBytes() const = 0;
   // Returns idle physical memory kept mapped after Free (the VMM arena keeps it for the next
   // request) to the device, down to the arena's floor. Host arenas keep nothing.

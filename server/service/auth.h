@@ -10,9 +10,11 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
 
 #include <grpcpp/server_context.h>
+#include <grpcpp/support/server_interceptor.h>
 
 #include "absl/status/statusor.h"
 
@@ -29,7 +31,10 @@ class Auth {
 
   bool required() const { return !tokens_.empty(); }
   // The tenant of the call, or UNAUTHENTICATED / PERMISSION_DENIED / INVALID_ARGUMENT.
-  absl::StatusOr<std::string> Authorize(const grpc::CallbackServerContext& context) const;
+  absl::StatusOr<std::string> Authorize(const grpc::CallbackServerContext& context) const {
+    return Authorize(context.client_metadata());
+  }
+  absl::StatusOr<std::string> Authorize(const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) const;
 
  private:
   std::map<std::string, std::string> tokens_;  // token → tenant ("" for any)
@@ -37,5 +42,12 @@ class Auth {
 
 // Tenant names: 1 to 64 characters of [A-Za-z0-9._-].
 bool ValidTenantName(const std::string& name);
+
+// Server reflection (grpc.reflection.*) is registered by gRPC's plugin, outside KvpackService, so
+// it does not pass Admit(): with tokens required, this interceptor answers its calls without a
+// valid token with empty messages (the descriptors are not sent) and ends them UNAUTHENTICATED.
+// Health (grpc.health.v1) stays open for probes. `auth` must outlive the server.
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> NewReflectionAuthInterceptor(
+    const Auth* auth);
 
 }  // namespace kvpack::server

@@ -128,6 +128,15 @@ absl::Status ProjectedFromProto(const v1::LayerHeader& header, LayerRequest* r) 
   ProjectedLayout& layout = r->projected;
   layout.enabled = true;
   const int64_t n = r->shape.n_tokens, d = r->shape.head_dim;
+  // The strides below are products of client integers: bound the factors first so none wraps
+  // (ValidateProjected bounds the whole span later).
+  if (n <= 0 || n > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat("header.shape.n_tokens = ", n, " must be in [1, 2^31)"));
+  }
+  if (d <= 0 || d > kMaxHeadDimCpu || r->shape.n_heads <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("header.shape: n_heads = ", r->shape.n_heads, ", head_dim = ", d,
+                                                   " must be positive (head_dim at most ", kMaxHeadDimCpu, ")"));
+  }
   switch (p.layout()) {
     case v1::ProjectedQkv::LAYOUT_TOKEN_MAJOR: {
       const int64_t stride = p.row_stride() == 0 ? hd : p.row_stride();
@@ -156,6 +165,11 @@ absl::Status ProjectedFromProto(const v1::LayerHeader& header, LayerRequest* r) 
                                                        ": head-major rows are contiguous (set 0)"));
       }
       const int64_t m = n / batch;
+      if (r->shape.n_heads > kMaxProjectedSpanElements / (m * d)) {
+        return absl::InvalidArgumentError(absl::StrCat("header.shape.n_heads = ", r->shape.n_heads,
+                                                       ": the head-major tensor would span more than ",
+                                                       kMaxProjectedSpanElements, " elements"));
+      }
       layout.token_stride = d;
       layout.head_stride = m * d;
       layout.batch_tokens = std::max<int64_t>(m, 1);

@@ -1,5 +1,6 @@
 #include "server/service/engine.h"
 
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -26,12 +27,15 @@ Engine::Engine(EngineOptions options, std::unique_ptr<Backend> backend, const Cl
       clock_(clock),
       backend_(std::move(backend)),
       pool_(std::make_unique<Pool>(options_.budget_bytes, backend_->CreateArena())),
-      registry_(clock, options_.lease) {
+      registry_(clock, options_.lease, options_.registry),
+      inline_budget_(options_.max_inline_bytes_in_flight) {
   scheduler_ = std::make_unique<Scheduler>(options_.scheduler, pool_.get(), clock_);
   if (backend_->TakesTurns()) turns_ = std::make_unique<TurnArbiter>(options_.turns, clock_);
-  metrics_ = std::make_unique<Metrics>(options_.version, backend_->name(), [this] { return Gauges(); });
+  metrics_ = std::make_unique<Metrics>(options_.version, backend_->name(), options_.budget_bytes,
+                                       [this] { return Gauges(); });
   pool_->SetReleaseListener([this] { scheduler_->Pump(); });
-  executor_ = std::make_unique<Executor>(options_.executor_threads);
+  executor_ = std::make_unique<Executor>(options_.executor_threads, options_.executor_nice);
+  RefreshDeviceMemory();
 }
 
 Engine::~Engine() {
@@ -108,13 +112,24 @@ void Engine::Submit(std::shared_ptr<LayerJob> job) {
   sj.on_admit = [this, job](Pool::Reservation reservation) {
     auto shared = std::make_shared<Pool::Reservation>(std::move(reservation));
     {
+      // Posted under mu_, so Run (which takes mu_ first) always finds its posted_ entry to erase.
+      // The reservation lives in the task: withdrawing the task frees it.
       std::lock_guard<std::mutex> lock(mu_);
       ++running_[job->tenant];
       ++running_total_;
+      const uint64_t task = executor_->Post([this, job, shared] { Run(job, std::move(*shared)); });
+      job->task = task;
+      posted_[task] = job;
     }
-    executor_->Post([this, job, shared] { Run(job, std::move(*shared)); });
+    // Cancel() or Drain() may have run before the task id was set.
+    if (job->cancelled) Withdraw(job, absl::CancelledError("cancelled while waiting for an executor thread"));
+    if (draining_) Withdraw(job, absl::UnavailableError("kvpackd is shutting down; the request had not started"));
   };
   sj.on_reject = [job](absl::Status status) { job->done(std::move(status)); };
+  if (draining_) {
+    job->done(absl::UnavailableError("kvpackd is shutting down"));
+    return;
+  }
   absl::StatusOr<uint64_t> ticket = scheduler_->Submit(std::move(sj));
   if (!ticket.ok()) {
     job->done(ticket.status());
@@ -145,10 +160,38 @@ void Engine::Unclaim(const std::string& tenant, uint64_t bytes) {
 void Engine::Cancel(const std::shared_ptr<LayerJob>& job) {
   job->cancelled = true;
   if (job->ticket != 0) scheduler_->Cancel(job->ticket);
+  Withdraw(job, absl::CancelledError("cancelled while waiting for an executor thread"));
   if (turns_ && job->turn != 0) turns_->Cancel(job->turn);
 }
 
+bool Engine::Withdraw(const std::shared_ptr<LayerJob>& job, absl::Status status) {
+  const uint64_t task = job->task;
+  if (task == 0 || !executor_->Withdraw(task)) return false;  // destroys the task, so its reservation
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    posted_.erase(task);
+  }
+  Retire(*job);
+  job->done(std::move(status));
+  return true;
+}
+
+void Engine::Retire(const LayerJob& job) {
+  if (options_.tenant_quota_bytes > 0) Unclaim(job.tenant, job.plan.peak_bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--running_[job.tenant] == 0) running_.erase(job.tenant);
+  --running_total_;
+  last_finished_ = clock_->Now();
+}
+
+void Engine::RefreshDeviceMemory() {
+  const DeviceMemory dm = backend_->QueryDeviceMemory();  // outside device_mu_: it may be slow
+  std::lock_guard<std::mutex> lock(device_mu_);
+  device_memory_ = dm;
+}
+
 void Engine::Tick() {
+  RefreshDeviceMemory();
   scheduler_->Pump();
   registry_.Reap();
   // Idle physical memory goes back to the device only after a second without requests: a frontend
@@ -162,22 +205,45 @@ void Engine::Tick() {
   if (idle && scheduler_->QueueDepth() == 0) pool_->Trim();
 }
 
+void Engine::RejectQueued() {
+  // Queued work is rejected, not run: see docs/daemon.md ("Shutdown") for why.
+  draining_ = true;
+  scheduler_->RejectAll(absl::UnavailableError("kvpackd is shutting down; the request had not started"));
+  std::vector<std::shared_ptr<LayerJob>> posted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [task, job] : posted_) posted.push_back(job);
+  }
+  for (const std::shared_ptr<LayerJob>& job : posted) {
+    Withdraw(job, absl::UnavailableError("kvpackd is shutting down; the request had not started"));
+  }
+}
+
 void Engine::Drain() {
-  scheduler_->RejectAll(absl::UnavailableError("kvpackd is shutting down"));
+  RejectQueued();
   for (;;) {
-    if (Running() == 0 && executor_->Pending() == 0) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (running_total_ == 0) return;  // every admitted job retired (ran or withdrawn)
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
 
+// Admitted jobs that an executor thread has started; those still waiting for one are in the
+// executor's queue (queue_depth), and SIGTERM rejects them.
 int Engine::Running() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return running_total_;
+  return running_total_ - static_cast<int>(posted_.size());
 }
 
 std::map<std::string, int> Engine::RunningByTenant() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return running_;
+  std::map<std::string, int> out = running_;
+  for (const auto& [task, job] : posted_) {
+    if (auto it = out.find(job->tenant); it != out.end() && --it->second == 0) out.erase(it);
+  }
+  return out;
 }
 
 GaugeValues Engine::Gauges() const {
@@ -188,7 +254,11 @@ GaugeValues Engine::Gauges() const {
   v.by_format = s.by_format;
   v.high_water = s.high_water;
   v.mapped = s.mapped;
-  const DeviceMemory dm = backend_->QueryDeviceMemory();
+  DeviceMemory dm;
+  {
+    std::lock_guard<std::mutex> lock(device_mu_);
+    dm = device_memory_;
+  }
   v.gpu_present = dm.present;
   v.gpu_free = dm.free_bytes;
   v.gpu_total = dm.total_bytes;
@@ -198,27 +268,32 @@ GaugeValues Engine::Gauges() const {
   v.cuda_ipc_regions = c.cuda_ipc;
   v.weights_handles = c.weights;
   v.kv_handles = c.kv;
+  v.inline_held = inline_budget_.held();
+  v.inline_budget = inline_budget_.max();
   return v;
 }
 
 void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reservation) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    posted_.erase(job->task);
+  }
   if (turns_) {
     job->turn = turns_->Join(job->tenant, job->priority);
     if (job->cancelled) turns_->Cancel(job->turn);  // Cancel() may have run before the id was set
   }
-  absl::Status status = RunLocked(*job, reservation);
+  absl::Status status;
+  try {
+    status = RunLocked(*job, reservation);
+  } catch (const std::bad_alloc&) {  // host memory of the backend (e.g. a CPU layer's vectors)
+    status = absl::ResourceExhaustedError("the daemon ran out of host memory while running the layer");
+  }
   if (turns_) {
     turns_->Leave(job->turn);
     metrics_->ObserveTurnWait(job->turn_wait_seconds);
   }
-  if (options_.tenant_quota_bytes > 0) Unclaim(job->tenant, job->plan.peak_bytes);
   reservation.Release();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (--running_[job->tenant] == 0) running_.erase(job->tenant);
-    --running_total_;
-    last_finished_ = clock_->Now();
-  }
+  Retire(*job);
   job->done(std::move(status));
 }
 
@@ -390,8 +465,9 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     entry->weights_id = job.weights != nullptr ? job.weights->id : "";  // "": from pre-projected input
     entry->config = config;
     entry->lease = std::move(kv_lease);
-    job.kv_handle = entry->id;
-    registry_.AddKv(std::move(entry));
+    const std::string id = entry->id;
+    if (absl::Status s = registry_.AddKv(std::move(entry)); !s.ok()) return s;  // the entry's memory is freed
+    job.kv_handle = id;
   }
   kv_lease.Release();  // (moved out when kept)
   job.release_seconds = absl::ToDoubleSeconds(clock_->Now() - release_start);

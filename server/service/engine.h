@@ -27,6 +27,7 @@
 #include "server/core/pool.h"
 #include "server/core/scheduler.h"
 #include "server/core/turns.h"
+#include "server/service/inline_budget.h"
 #include "server/service/metrics.h"
 #include "server/service/registry.h"
 
@@ -37,9 +38,12 @@ struct EngineOptions {
   SchedulerOptions scheduler;
   TurnOptions turns;  // GPU turns between running requests, on backends that TakesTurns()
   int executor_threads = 1;
+  int executor_nice = 0;  // --layer_nice: CPU priority of the threads that run layers (Executor)
   absl::Duration lease = absl::Minutes(10);
   int64_t max_chunk_tokens = 16384;  // cap on Tp and Tq: the CPU backend stops between chunks
   uint64_t tenant_quota_bytes = 0;  // 0: none; caps each tenant's pool bytes (weights, kept K/V, plans)
+  uint64_t max_inline_bytes_in_flight = 4ull << 30;  // host bytes of inline tensors of all calls (inline_budget.h)
+  RegistryLimits registry;
   std::string version = "0.1.0";
 };
 
@@ -63,12 +67,14 @@ struct LayerJob {
   uint64_t out_bytes = 0;
   std::vector<RegionUse> regions;     // keeps mapped regions alive for the job
   std::string wait_event;             // header.cuda_wait_event: waited for before the layer runs
+  InlineBudget::Lease inline_lease;   // the buffers' bytes; declared first, so released after them
   std::unique_ptr<uint8_t[]> x_buf;   // inline inputs and output (host)
   std::unique_ptr<uint8_t[]> positions_buf;
   std::unique_ptr<uint8_t[]> qkv_buf[3];  // inline pre-projected q, k, v
   std::unique_ptr<uint8_t[]> out_buf;
   std::atomic<bool> cancelled{false};
   std::atomic<uint64_t> ticket{0};    // scheduler id while waiting
+  std::atomic<uint64_t> task{0};      // executor task id once admitted (withdrawn on cancel, drain)
   std::atomic<uint64_t> turn{0};      // TurnArbiter id while running on a backend that TakesTurns()
 
   // Results.
@@ -89,6 +95,7 @@ class Engine {
   Backend& backend() { return *backend_; }
   Pool& pool() { return *pool_; }
   Registry& registry() { return registry_; }
+  InlineBudget& inline_budget() { return inline_budget_; }
   Scheduler& scheduler() { return *scheduler_; }
   Metrics& metrics() { return *metrics_; }
   const Clock& clock() const { return *clock_; }
@@ -106,16 +113,24 @@ class Engine {
 
   // Queues the job; done() is called once, possibly before Submit returns.
   void Submit(std::shared_ptr<LayerJob> job);
-  // Stops a job: removes it from the queue, or flags it so the backend stops at the next chunk (a
-  // job waiting for a GPU turn stops waiting at once).
+  // Stops a job: removes it from the queue, or from the executor's queue when it was admitted but
+  // no executor thread has taken it yet (either way its reservation is freed and done() called at
+  // once), or flags it so the backend stops at the next chunk (a job waiting for a GPU turn stops
+  // waiting at once).
   void Cancel(const std::shared_ptr<LayerJob>& job);
 
-  // Periodic work: deadlines in the queue, expired leases.
+  // Periodic work: deadlines in the queue, expired leases, the device-memory snapshot.
   void Tick();
-  // Rejects queued jobs and waits for running ones (shutdown).
+  // Shutdown, step one: rejects with UNAVAILABLE every job that has not started — waiting for memory,
+  // admitted but waiting for an executor thread, or submitted from now on. Returns at once.
+  void RejectQueued();
+  // RejectQueued(), then waits for the running jobs.
   void Drain();
 
+  // Snapshots only: Status and /metrics must not wait behind layer work. Device memory is the
+  // value Tick() last read (cudaMemGetInfo may wait on the driver while a layer maps memory).
   GaugeValues Gauges() const;
+  // Jobs running on an executor thread now (not those admitted and waiting for one).
   int Running() const;
   std::map<std::string, int> RunningByTenant() const;
   bool Healthy() const { return backend_->Healthy(); }
@@ -123,6 +138,12 @@ class Engine {
  private:
   void Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reservation);
   absl::Status WaitForCaller(LayerJob& job);
+  void RefreshDeviceMemory();
+  // Takes an admitted job back from the executor if no thread has started it: its reservation is
+  // freed and done(status) called. False when it started (or was never posted).
+  bool Withdraw(const std::shared_ptr<LayerJob>& job, absl::Status status);
+  // The bookkeeping of an admitted job that ends (ran or withdrawn).
+  void Retire(const LayerJob& job);
   absl::Status StageOnDevice(LayerJob& job, Pool::Reservation& reservation, LayerTensors* tensors, Pool::Lease* io,
                              uint16_t** host_out);
   absl::Status RunLocked(LayerJob& job, Pool::Reservation& reservation);
@@ -140,6 +161,7 @@ class Engine {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Pool> pool_;
   Registry registry_;
+  InlineBudget inline_budget_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<TurnArbiter> turns_;  // null on backends whose calls run side by side (CPU)
   std::unique_ptr<Metrics> metrics_;
@@ -147,6 +169,10 @@ class Engine {
   std::map<std::string, int> running_;  // by tenant
   std::map<std::string, uint64_t> claimed_;  // by tenant: predicted peaks of admitted jobs (quota)
   int running_total_ = 0;
+  std::map<uint64_t, std::shared_ptr<LayerJob>> posted_;  // by task id: admitted, not yet started
+  std::atomic<bool> draining_{false};
+  mutable std::mutex device_mu_;
+  DeviceMemory device_memory_;  // refreshed by Tick (every 50 ms in kvpackd)
   absl::Time last_finished_ = absl::InfinitePast();  // when the last job ended (idle trimming)
   std::unique_ptr<Executor> executor_;  // last: joined first on destruction
 };

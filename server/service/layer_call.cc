@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -63,9 +64,11 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       OnUploadComplete();
       return;
     }
-    const absl::Status s = DispatchUpload(
-        in_, have_header_, [this](const v1::LayerHeader& h) { return OnHeader(h); },
-        [this](const v1::TensorChunk& c) { return OnChunk(c); });
+    const absl::Status s = CatchAllocationFailure([this] {
+      return DispatchUpload(
+          in_, have_header_, [this](const v1::LayerHeader& h) { return OnHeader(h); },
+          [this](const v1::TensorChunk& c) { return OnChunk(c); });
+    });
     if (!s.ok()) {
       FinishOnce(s);
       return;
@@ -78,7 +81,12 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       FinishOnce(absl::CancelledError("the client stopped reading the output"));
       return;
     }
-    WriteNext();
+    // Each output chunk is a 2 MiB copy into the message: an allocation on a callback thread.
+    const absl::Status s = CatchAllocationFailure([this] {
+      WriteNext();
+      return absl::OkStatus();
+    });
+    if (!s.ok()) FinishOnce(s);
   }
 
   void OnCancel() override {
@@ -141,6 +149,9 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       }
     }
     const LayerShape& shape = request->shape;
+    if (job->keep_kv) {  // fail fast; the engine checks again when it registers the entry
+      if (absl::Status s = engine.registry().CheckHandleRoom(tenant_); !s.ok()) return s;
+    }
 
     if (mode_ == LayerMode::kAttend) {
       absl::StatusOr<std::shared_ptr<KvEntry>> kv = engine.registry().GetKv(tenant_, header.kv_handle(), "header.kv_handle");
@@ -209,17 +220,27 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
                                                        " bytes exceed this daemon's limit of ",
                                                        service_->limits().max_inline_bytes, " per request; use a region"));
     }
+    // Host bytes of this call outside the pool: inline inputs and an inline output, claimed from the
+    // daemon's in-flight budget before any is allocated; the lease goes with the job.
+    const uint64_t out_size = static_cast<uint64_t>(shape.n_tokens) * shape.HeadCols() * 2;
+    const v1::OutputMode out_mode = header.output().mode();
+    const bool out_is_inline = mode_ != LayerMode::kProject && out_mode == v1::OUTPUT_INLINE;
+    if (const uint64_t host = inline_total + (out_is_inline ? out_size : 0); host > 0) {
+      absl::StatusOr<InlineBudget::Lease> lease = engine.inline_budget().Acquire(host);
+      if (!lease.ok()) return lease.status();
+      job->inline_lease = std::move(*lease);
+    }
     if (x_.is_inline) {
-      job->x_buf.reset(new uint8_t[x_.size]);
+      if (absl::Status s = AllocateHost(x_.size, x_.field, &job->x_buf); !s.ok()) return s;
       x_.data = job->x_buf.get();
     }
     if (positions_.is_inline) {
-      job->positions_buf.reset(new uint8_t[positions_.size]);
+      if (absl::Status s = AllocateHost(positions_.size, positions_.field, &job->positions_buf); !s.ok()) return s;
       positions_.data = job->positions_buf.get();
     }
     for (int i = 0; i < 3; ++i) {
       if (!qkv_[i].is_inline) continue;
-      job->qkv_buf[i].reset(new uint8_t[qkv_[i].size]);
+      if (absl::Status s = AllocateHost(qkv_[i].size, qkv_[i].field, &job->qkv_buf[i]); !s.ok()) return s;
       qkv_[i].data = job->qkv_buf[i].get();
     }
     job->tensors.x = reinterpret_cast<const uint16_t*>(x_.data);
@@ -229,9 +250,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     job->tensors.positions = rope ? reinterpret_cast<const float*>(positions_.data) : nullptr;
 
     // Output.
-    const uint64_t out_size = static_cast<uint64_t>(shape.n_tokens) * shape.HeadCols() * 2;
     job->out_bytes = out_size;
-    const v1::OutputMode out_mode = header.output().mode();
     if (mode_ == LayerMode::kProject) {
       if (out_mode != v1::OUTPUT_INLINE && out_mode != v1::OUTPUT_NONE) {
         return absl::InvalidArgumentError("header.output.mode: Project writes no output (use OUTPUT_NONE)");
@@ -239,7 +258,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     } else {
       switch (out_mode) {
         case v1::OUTPUT_INLINE:
-          job->out_buf.reset(new uint8_t[out_size]);
+          if (absl::Status s = AllocateHost(out_size, "header.output", &job->out_buf); !s.ok()) return s;
           job->tensors.out = reinterpret_cast<uint16_t*>(job->out_buf.get());
           out_inline_ = job->out_buf.get();
           break;
@@ -269,6 +288,17 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     }
     std::lock_guard<std::mutex> lock(mu_);
     job_ = std::move(job);
+    return absl::OkStatus();
+  }
+
+  // A host buffer of `bytes`, or RESOURCE_EXHAUSTED naming `field` when the allocation fails (a
+  // failed new[] would otherwise throw through gRPC's callback machinery and the call never end).
+  static absl::Status AllocateHost(uint64_t bytes, const char* field, std::unique_ptr<uint8_t[]>* out) {
+    out->reset(bytes <= SIZE_MAX ? new (std::nothrow) uint8_t[bytes] : nullptr);
+    if (*out == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(field, ": the daemon cannot allocate ", bytes, " bytes of host memory for it; use a region"));
+    }
     return absl::OkStatus();
   }
 
@@ -357,6 +387,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
   }
 
   absl::Status OnChunk(const v1::TensorChunk& chunk) {
+    if (++chunks_ > service_->limits().max_chunks_per_call) return TooManyChunks(service_->limits());
     Input* input = nullptr;
     switch (chunk.tensor()) {
       case v1::TENSOR_X: input = &x_; break;
@@ -413,13 +444,27 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       job = job_;
       if (cancelled_) job->cancelled = true;
     }
-    job->done = [this](absl::Status status) { OnJobDone(std::move(status)); };
+    job->done = [this](absl::Status status) {
+      const absl::Status s = CatchAllocationFailure([&] {
+        OnJobDone(std::move(status));
+        return absl::OkStatus();
+      });
+      if (!s.ok()) FinishOnce(s);  // a no-op when OnJobDone finished the call before it threw
+    };
     submitted_ = true;
     service_->engine().Submit(job);
   }
 
   // On an executor thread (or the scheduler's pump on reject).
   void OnJobDone(absl::Status status) {
+    // A shared-memory object truncated while the job read or wrote it was swapped for zero pages
+    // (shm_guard.h): what the job computed from or into it is void, a kept K/V entry included.
+    for (const RegionUse& use : job_->regions) {
+      if (absl::Status s = use.get()->Intact(); !s.ok() && status.ok()) status = s;
+    }
+    if (!status.ok() && !job_->kv_handle.empty()) {
+      (void)service_->engine().registry().ReleaseKv(tenant_, job_->kv_handle);
+    }
     // Handles and regions are let go before the client hears back, so a release it sends next frees
     // their memory at once.
     job_->weights.reset();
@@ -507,6 +552,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
   bool projected_ = false;
   uint8_t* out_inline_ = nullptr;
   uint64_t sent_ = 0;
+  int64_t chunks_ = 0;
   absl::Time header_start_, download_start_;
   double upload_seconds_ = 0, plan_seconds_ = 0;
   std::atomic<bool> submitted_{false};

@@ -1,21 +1,26 @@
 // kvpackd: serves kvpack.v1 over gRPC on one backend, with Prometheus metrics, health and
-// reflection. SIGTERM/SIGINT: stop admitting, let in-flight calls finish (--drain_seconds), exit 0.
+// reflection. SIGTERM/SIGINT: stop admitting, reject queued requests (UNAVAILABLE), let running
+// layers finish (--drain_seconds), exit 0.
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "server/backends/backend.h"
 #include "server/service/options.h"
 #include "server/service/service.h"
+#include "server/service/shm_guard.h"
 
 namespace kvpack::server {
 namespace {
@@ -40,6 +45,20 @@ uint64_t HostAvailableBytes() {
     if (key == "MemAvailable:") return kb * 1024;
   }
   return 0;
+}
+
+void RaiseFileLimit(int max_regions) {
+  constexpr rlim_t kOtherDescriptors = 256;  // sockets, metrics server, logs
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  limit.rlim_cur = limit.rlim_max;
+  setrlimit(RLIMIT_NOFILE, &limit);
+  if (limit.rlim_cur < static_cast<rlim_t>(max_regions) + kOtherDescriptors) {
+    std::fprintf(stderr, "kvpackd: warning: %llu file descriptors allowed; --max_regions=%d needs about %llu "
+                 "(registering regions fails with RESOURCE_EXHAUSTED beyond that)\n",
+                 static_cast<unsigned long long>(limit.rlim_cur), max_regions,
+                 static_cast<unsigned long long>(max_regions + kOtherDescriptors));
+  }
 }
 
 int Fail(const std::string& message) {
@@ -86,14 +105,27 @@ int Main(int argc, char** argv) {
   if (eo.budget_bytes == 0) return Fail("--vram_budget resolves to 0 bytes");
   eo.scheduler.max_queue = static_cast<size_t>(o.max_queue);
   eo.executor_threads = o.threads;
+  eo.executor_nice = std::min(o.layer_nice, 19);
   eo.max_chunk_tokens = o.max_chunk_tokens;
   eo.lease = absl::Seconds(o.lease_seconds);
   eo.tenant_quota_bytes = o.tenant_quota.bytes;
+  eo.max_inline_bytes_in_flight = o.max_inline_in_flight.Resolve(HostAvailableBytes());
+  eo.registry.max_regions = o.max_regions;
+  eo.registry.max_regions_per_tenant = o.max_regions_per_tenant;
+  eo.registry.max_handles = o.max_handles;
+  eo.registry.max_handles_per_tenant = o.max_handles_per_tenant;
+  if (o.max_regions > kMaxGuardedRanges) {
+    return Fail("--max_regions=" + std::to_string(o.max_regions) + " is above " + std::to_string(kMaxGuardedRanges));
+  }
+  // Each shared-memory region keeps its object's file descriptor open (every use checks the size):
+  // take the hard limit on descriptors, and say so when it is below what --max_regions needs.
+  RaiseFileLimit(o.max_regions);
   eo.version = kVersion;
   SystemClock clock;
   Engine engine(eo, std::move(*backend), &clock);
   ServiceLimits limits;
   limits.max_inline_bytes = o.max_inline.bytes;
+  limits.max_chunks_per_call = o.max_chunks_per_call;
   KvpackService service(&engine, std::move(auth), limits);
 
   int metrics_port = 0;
@@ -121,6 +153,9 @@ int Main(int argc, char** argv) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   builder.RegisterService(&service);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(NewReflectionAuthInterceptor(&service.auth()));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) return Fail("cannot listen on " + o.listen);
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
@@ -152,6 +187,9 @@ int Main(int argc, char** argv) {
   std::fprintf(stderr, "kvpackd: %s: draining (up to %.0f s)\n", sig == SIGTERM ? "SIGTERM" : "SIGINT", o.drain_seconds);
   service.StartDraining();
   health->SetServingStatus(false);
+  // Before Shutdown, which waits for every call in flight: queued layers are calls in flight too,
+  // and would otherwise all run during the drain (docs/daemon.md, "Shutdown").
+  engine.RejectQueued();
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(o.drain_seconds * 1000)));
   engine.Drain();

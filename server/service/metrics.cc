@@ -86,6 +86,14 @@ class Metrics::GaugeCollectable final : public prometheus::Collectable {
     AddGauge(&handles, v.weights_handles, {{"kind", "weights"}});
     AddGauge(&handles, v.kv_handles, {{"kind", "kv"}});
     out.push_back(std::move(handles));
+    auto inline_bytes = GaugeFamily("kvpack_inline_bytes",
+                                    "Host bytes of inline tensors held by calls in flight (outside the pool)");
+    AddGauge(&inline_bytes, static_cast<double>(v.inline_held));
+    out.push_back(std::move(inline_bytes));
+    auto inline_budget = GaugeFamily("kvpack_inline_budget_bytes",
+                                     "The --max_inline_bytes_in_flight ceiling on kvpack_inline_bytes");
+    AddGauge(&inline_budget, static_cast<double>(v.inline_budget));
+    out.push_back(std::move(inline_budget));
     auto info = GaugeFamily("kvpack_build_info", "Which build and backend serve");
     AddGauge(&info, 1.0, {{"backend", backend_}, {"version", version_}});
     out.push_back(std::move(info));
@@ -97,7 +105,17 @@ class Metrics::GaugeCollectable final : public prometheus::Collectable {
   const std::function<GaugeValues()> read_;
 };
 
-Metrics::Metrics(std::string version, std::string backend, std::function<GaugeValues()> read_gauges)
+std::vector<double> PeakBuckets(uint64_t budget_bytes) {
+  if (budget_bytes == 0) return Exponential(65536.0, 2.0, 28);  // no budget known: 64 KiB .. 8 TiB
+  const double budget = static_cast<double>(budget_bytes);
+  std::vector<double> b;
+  for (double f = 1.0 / 256; f < 0.5; f *= 2) b.push_back(f * budget);
+  for (int sixteenths = 8; sixteenths <= 16; ++sixteenths) b.push_back(sixteenths / 16.0 * budget);
+  return b;
+}
+
+Metrics::Metrics(std::string version, std::string backend, uint64_t budget_bytes,
+                 std::function<GaugeValues()> read_gauges)
     : registry_(std::make_shared<prometheus::Registry>()),
       gauges_(std::make_shared<GaugeCollectable>(std::move(version), std::move(backend), std::move(read_gauges))) {
   requests_ = &prometheus::BuildCounter().Name("kvpack_requests_total").Help("Finished RPCs").Register(*registry_);
@@ -117,7 +135,7 @@ Metrics::Metrics(std::string version, std::string backend, std::function<GaugeVa
                    .Name("kvpack_request_peak_bytes")
                    .Help("Peak pool bytes a request held")
                    .Register(*registry_);
-  peak_ = &peak.Add({}, Exponential(65536.0, 4.0, 14));  // 64 KiB .. 16 TiB
+  peak_ = &peak.Add({}, PeakBuckets(budget_bytes));
   auto& tokens = prometheus::BuildCounter().Name("kvpack_tokens_total").Help("Tokens packed, by format").Register(*registry_);
   for (int f = 0; f < kNumPageFormats; ++f) tokens_[f] = &tokens.Add({{"format", FormatName(static_cast<PageFormat>(f))}});
   downgrades_ = &prometheus::BuildCounter()

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "kernels/format.h"
@@ -42,13 +43,23 @@ struct GaugeValues {
   int cuda_ipc_regions = 0;
   int weights_handles = 0;
   int kv_handles = 0;
+  uint64_t inline_held = 0;    // host bytes of inline tensors of calls in flight
+  uint64_t inline_budget = 0;  // --max_inline_bytes_in_flight
 };
 
 enum class Stage { kQueue, kProject, kAttend, kTransfer };
 
+// Upper bounds of the kvpack_request_peak_bytes buckets: fractions of the budget, from 1/256 up in
+// steps of at most 2x, and 1/16 of the budget apart above half of it, ending at the budget itself.
+// No request holds more than the budget, so every quantile interpolated from these buckets lies at
+// or below it (4x-apart buckets let the p90/p99 panels show peaks above the budget), and quantiles
+// near the budget, where admission decisions are made, are resolved to 1/16 of it.
+std::vector<double> PeakBuckets(uint64_t budget_bytes);
+
 class Metrics {
  public:
-  Metrics(std::string version, std::string backend, std::function<GaugeValues()> read_gauges);
+  // `budget_bytes` places the kvpack_request_peak_bytes buckets (PeakBuckets).
+  Metrics(std::string version, std::string backend, uint64_t budget_bytes, std::function<GaugeValues()> read_gauges);
   ~Metrics();
 
   // Serves /metrics on `address` ("host:port"; port 0 picks one). Returns the bound port.

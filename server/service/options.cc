@@ -27,6 +27,15 @@ const char* DaemonUsage() {
   --lease_seconds=S        handles and regions are released S seconds after last use (default 600)
   --tenant_quota=SIZE      pool bytes one tenant may hold (default 0: none)
   --max_inline_bytes=SIZE  inline tensor bytes per request (default 16Gi)
+  --max_inline_bytes_in_flight=SIZE   host bytes of inline tensors of all calls at once: bytes or a
+                           fraction of MemAvailable at start (default 0.5)
+  --max_chunks_per_call=N  messages one streamed upload may send (default 65536)
+  --max_regions=N          registered regions, all tenants (default 4096)
+  --max_regions_per_tenant=N   registered regions of one tenant (default 1024)
+  --max_handles=N          weights and K/V handles, all tenants (default 65536)
+  --max_handles_per_tenant=N   weights and K/V handles of one tenant (default 4096)
+  --layer_nice=N           nice value (0-19) of the threads that run layers, so RPCs such as Status
+                           are not starved by CPU layer work (default 10)
   --drain_seconds=S        on SIGTERM/SIGINT, time in-flight calls get to finish (default 30)
 )";
 }
@@ -45,7 +54,9 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
     static const char* const kKnown[] = {"listen", "metrics_address", "vram_budget", "backend", "auth_token_file",
                                          "tls_cert_file", "tls_key_file", "threads", "cpu_threads", "max_queue",
                                          "max_chunk_tokens", "lease_seconds", "tenant_quota", "max_inline_bytes",
-                                         "drain_seconds"};
+                                         "drain_seconds", "max_inline_bytes_in_flight", "max_chunks_per_call",
+                                         "max_regions", "max_regions_per_tenant", "layer_nice",
+                                         "max_handles", "max_handles_per_tenant"};
     if (std::find(std::begin(kKnown), std::end(kKnown), bare) == std::end(kKnown)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", bare, " (see --help)"));
     }
@@ -94,6 +105,13 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
     else if (name == "tenant_quota") s = to_size(&o.tenant_quota, true);
     else if (name == "max_inline_bytes") s = to_size(&o.max_inline, false);
     else if (name == "drain_seconds") s = to_double(&o.drain_seconds);
+    else if (name == "max_inline_bytes_in_flight") s = to_size(&o.max_inline_in_flight, false);
+    else if (name == "max_chunks_per_call") s = to_int(&o.max_chunks_per_call, 1);
+    else if (name == "max_regions") s = to_int(&o.max_regions, 1);
+    else if (name == "max_regions_per_tenant") s = to_int(&o.max_regions_per_tenant, 1);
+    else if (name == "layer_nice") s = to_int(&o.layer_nice, 0);
+    else if (name == "max_handles") s = to_int(&o.max_handles, 1);
+    else if (name == "max_handles_per_tenant") s = to_int(&o.max_handles_per_tenant, 1);
     else return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
     if (!s.ok()) return s;
   }

@@ -23,6 +23,13 @@ struct DaemonOptions {
   double lease_seconds = 600;      // handles and regions expire this long after last use
   ByteSize tenant_quota{0, 0, false};
   ByteSize max_inline{16ull << 30, 0, false};
+  ByteSize max_inline_in_flight{0, 0.5, true};  // all calls' inline tensors: bytes or a fraction of MemAvailable
+  int max_chunks_per_call = 65536;
+  int max_regions = 4096;
+  int max_regions_per_tenant = 1024;
+  int max_handles = 65536;
+  int max_handles_per_tenant = 4096;
+  int layer_nice = 10;             // nice value of the executor threads (0..19)
   double drain_seconds = 30;       // SIGTERM: how long in-flight calls may take to finish
   bool help = false;
 };

@@ -11,18 +11,32 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/service/bounded.h"
+#include "server/service/shm_guard.h"
 
 namespace kvpack::server {
 
 // ── Region ──
 
 Region::Region(std::string id, std::string tenant, RegionKind kind, std::string name, uint8_t* base, uint64_t size,
-               std::function<void(uint8_t*, uint64_t)> unmap)
+               std::function<void(uint8_t*, uint64_t)> unmap, int fd)
     : id_(std::move(id)), tenant_(std::move(tenant)), kind_(kind), name_(std::move(name)), base_(base), size_(size),
-      unmap_(std::move(unmap)) {}
+      unmap_(std::move(unmap)), fd_(fd) {
+  if (fd_ >= 0) guard_ = GuardRange(base_, size_);
+}
 
 Region::~Region() {
+  UnguardRange(guard_);
   if (unmap_) unmap_(base_, size_);
+  if (fd_ >= 0) close(fd_);
+}
+
+absl::Status Region::Intact() const {
+  if (RangeFaulted(guard_)) {
+    return absl::FailedPreconditionError(absl::StrCat("region ", id_, ": shared-memory object \"", Bounded(name_),
+                                                      "\" was truncated while a request used it"));
+  }
+  return absl::OkStatus();
 }
 
 int Region::users() const {
@@ -34,6 +48,15 @@ absl::StatusOr<uint8_t*> Region::Slice(uint64_t offset, uint64_t bytes, const st
   if (offset > size_ || bytes > size_ - offset) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": bytes [", offset, ", ", offset, " + ", bytes,
                                                    ") are outside region ", id_, " of ", size_, " bytes"));
+  }
+  if (absl::Status s = Intact(); !s.ok()) return s;
+  if (fd_ >= 0) {
+    struct stat st {};
+    if (fstat(fd_, &st) != 0 || static_cast<uint64_t>(st.st_size) < offset + bytes) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ": shared-memory object \"", Bounded(name_), "\" is now ", static_cast<uint64_t>(st.st_size),
+          " bytes; bytes [", offset, ", ", offset + bytes, ") pass its end (was it truncated after RegisterRegion?)"));
+    }
   }
   return base_ + offset;
 }
@@ -70,7 +93,8 @@ RegionUse::~RegionUse() {
 
 // ── Registry ──
 
-Registry::Registry(const Clock* clock, absl::Duration lease) : clock_(clock), lease_(lease) {}
+Registry::Registry(const Clock* clock, absl::Duration lease, RegistryLimits limits)
+    : clock_(clock), lease_(lease), limits_(limits) {}
 
 std::string Registry::NewId(const char* prefix) {
   static std::mutex mu;
@@ -81,22 +105,65 @@ std::string Registry::NewId(const char* prefix) {
   return absl::StrCat(prefix, buf);
 }
 
-void Registry::AddWeights(std::shared_ptr<WeightsEntry> entry) {
+absl::Status Registry::HandleRoomLocked(const std::string& tenant) const {
+  auto it = handles_by_tenant_.find(tenant);
+  if (it != handles_by_tenant_.end() && it->second >= limits_.max_handles_per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrCat("this tenant holds ", limits_.max_handles_per_tenant,
+                                                     " weights and K/V handles, its limit (--max_handles_per_tenant); "
+                                                     "release some"));
+  }
+  if (weights_.size() + kv_.size() >= static_cast<size_t>(limits_.max_handles)) {
+    return absl::ResourceExhaustedError(absl::StrCat("the daemon holds ", limits_.max_handles,
+                                                     " weights and K/V handles, its limit (--max_handles); retry later"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Registry::CheckHandleRoom(const std::string& tenant) const {
   std::lock_guard<std::mutex> lock(mu_);
+  return HandleRoomLocked(tenant);
+}
+
+void Registry::ForgetHandleLocked(const std::string& tenant) {
+  auto it = handles_by_tenant_.find(tenant);
+  if (it != handles_by_tenant_.end() && --it->second <= 0) handles_by_tenant_.erase(it);
+}
+
+absl::Status Registry::AddWeights(std::shared_ptr<WeightsEntry> entry) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status s = HandleRoomLocked(entry->tenant); !s.ok()) return s;
+  ++handles_by_tenant_[entry->tenant];
   const std::string id = entry->id;
   weights_[id] = Slot<WeightsEntry>{std::move(entry), clock_->Now()};
+  return absl::OkStatus();
 }
 
-void Registry::AddKv(std::shared_ptr<KvEntry> entry) {
+absl::Status Registry::AddKv(std::shared_ptr<KvEntry> entry) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status s = HandleRoomLocked(entry->tenant); !s.ok()) return s;
+  ++handles_by_tenant_[entry->tenant];
   const std::string id = entry->id;
   kv_[id] = Slot<KvEntry>{std::move(entry), clock_->Now()};
+  return absl::OkStatus();
 }
 
-void Registry::AddRegion(std::shared_ptr<Region> region) {
+absl::Status Registry::AddRegion(std::shared_ptr<Region> region) {
   std::lock_guard<std::mutex> lock(mu_);
+  int& tenant_regions = regions_by_tenant_[region->tenant()];
+  if (tenant_regions >= limits_.max_regions_per_tenant) {
+    if (tenant_regions == 0) regions_by_tenant_.erase(region->tenant());
+    return absl::ResourceExhaustedError(absl::StrCat("this tenant holds ", limits_.max_regions_per_tenant,
+                                                     " regions, its limit (--max_regions_per_tenant); unregister some"));
+  }
+  if (regions_.size() >= static_cast<size_t>(limits_.max_regions)) {
+    if (tenant_regions == 0) regions_by_tenant_.erase(region->tenant());
+    return absl::ResourceExhaustedError(absl::StrCat("the daemon holds ", limits_.max_regions,
+                                                     " regions, its limit (--max_regions); retry later"));
+  }
+  ++tenant_regions;
   const std::string id = region->id();
   regions_[id] = Slot<Region>{std::move(region), clock_->Now()};
+  return absl::OkStatus();
 }
 
 namespace {
@@ -107,7 +174,7 @@ absl::Status Lookup(Table& table, const std::string& tenant, const std::string& 
   if (id.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": required"));
   auto it = table.find(id);
   if (it == table.end() || it->second.entry->tenant != tenant) {
-    return absl::NotFoundError(absl::StrCat(field, " = \"", id, "\": no such handle for this tenant"));
+    return absl::NotFoundError(absl::StrCat(field, " = \"", Bounded(id), "\": no such handle for this tenant"));
   }
   *out = it;
   return absl::OkStatus();
@@ -131,6 +198,7 @@ absl::Status Registry::ReleaseWeights(const std::string& tenant, const std::stri
   if (absl::Status s = Lookup(weights_, tenant, id, "handle", &it); !s.ok()) return s;
   dropped = std::move(it->second.entry);
   weights_.erase(it);
+  ForgetHandleLocked(tenant);
   return absl::OkStatus();
 }
 
@@ -150,6 +218,7 @@ absl::Status Registry::ReleaseKv(const std::string& tenant, const std::string& i
   if (absl::Status s = Lookup(kv_, tenant, id, "handle", &it); !s.ok()) return s;
   dropped = std::move(it->second.entry);
   kv_.erase(it);
+  ForgetHandleLocked(tenant);
   return absl::OkStatus();
 }
 
@@ -159,7 +228,7 @@ absl::StatusOr<RegionUse> Registry::UseRegion(const std::string& tenant, const s
   std::lock_guard<std::mutex> lock(mu_);
   auto it = regions_.find(id);
   if (it == regions_.end() || it->second.entry->tenant() != tenant) {
-    return absl::NotFoundError(absl::StrCat(field, ".region_id = \"", id, "\": no such region for this tenant"));
+    return absl::NotFoundError(absl::StrCat(field, ".region_id = \"", Bounded(id), "\": no such region for this tenant"));
   }
   it->second.last_used = clock_->Now();
   return RegionUse(it->second.entry);
@@ -172,10 +241,11 @@ absl::Status Registry::UnregisterRegion(const std::string& tenant, const std::st
     auto it = regions_.find(id);
     if (id.empty()) return absl::InvalidArgumentError("region_id: required");
     if (it == regions_.end() || it->second.entry->tenant() != tenant) {
-      return absl::NotFoundError(absl::StrCat("region_id = \"", id, "\": no such region for this tenant"));
+      return absl::NotFoundError(absl::StrCat("region_id = \"", Bounded(id), "\": no such region for this tenant"));
     }
     region = std::move(it->second.entry);
     regions_.erase(it);
+    ForgetRegionLocked(tenant);
   }
   bool now = false;
   {
@@ -225,6 +295,7 @@ int Registry::Reap() {
   const auto expired = [&](absl::Time last) { return now - last >= lease_; };
   for (auto it = weights_.begin(); it != weights_.end();) {
     if (expired(it->second.last_used) && it->second.entry.use_count() == 1) {
+      ForgetHandleLocked(it->second.entry->tenant);
       dropped.push_back(std::move(it->second.entry));
       it = weights_.erase(it);
     } else {
@@ -233,6 +304,7 @@ int Registry::Reap() {
   }
   for (auto it = kv_.begin(); it != kv_.end();) {
     if (expired(it->second.last_used) && it->second.entry.use_count() == 1) {
+      ForgetHandleLocked(it->second.entry->tenant);
       dropped.push_back(std::move(it->second.entry));
       it = kv_.erase(it);
     } else {
@@ -241,6 +313,7 @@ int Registry::Reap() {
   }
   for (auto it = regions_.begin(); it != regions_.end();) {
     if (expired(it->second.last_used) && it->second.entry->users() == 0) {
+      ForgetRegionLocked(it->second.entry->tenant());
       dropped.push_back(std::move(it->second.entry));
       it = regions_.erase(it);
     } else {
@@ -258,6 +331,13 @@ void Registry::Clear() {
   w.swap(weights_);
   k.swap(kv_);
   r.swap(regions_);
+  regions_by_tenant_.clear();
+  handles_by_tenant_.clear();
+}
+
+void Registry::ForgetRegionLocked(const std::string& tenant) {
+  auto it = regions_by_tenant_.find(tenant);
+  if (it != regions_by_tenant_.end() && --it->second <= 0) regions_by_tenant_.erase(it);
 }
 
 RegistryCounts Registry::Counts() const {
@@ -284,14 +364,18 @@ absl::StatusOr<std::shared_ptr<Region>> MapShmRegion(const std::string& tenant, 
                                                      uint64_t size) {
   if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos || name.size() > 255) {
     return absl::InvalidArgumentError(
-        absl::StrCat("shm_name = \"", name, "\": expected \"/name\" (one leading slash, no other, ≤ 255 chars)"));
+        absl::StrCat("shm_name = \"", Bounded(name), "\": expected \"/name\" (one leading slash, no other, ≤ 255 chars)"));
   }
   if (size == 0) return absl::InvalidArgumentError("size_bytes: must be positive");
   const int fd = shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) {
     const int err = errno;
-    if (err == ENOENT) return absl::NotFoundError(absl::StrCat("shm_name = \"", name, "\": no such object"));
-    return absl::PermissionDeniedError(absl::StrCat("shm_name = \"", name, "\": ", std::strerror(err)));
+    if (err == EMFILE || err == ENFILE) {
+      return absl::ResourceExhaustedError(absl::StrCat("shm_name: the daemon has no file descriptor left (",
+                                                       std::strerror(err), "); unregister regions"));
+    }
+    if (err == ENOENT) return absl::NotFoundError(absl::StrCat("shm_name = \"", Bounded(name), "\": no such object"));
+    return absl::PermissionDeniedError(absl::StrCat("shm_name = \"", Bounded(name), "\": ", std::strerror(err)));
   }
   struct stat st {};
   if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_size) < size) {
@@ -300,12 +384,14 @@ absl::StatusOr<std::shared_ptr<Region>> MapShmRegion(const std::string& tenant, 
                                                    static_cast<uint64_t>(st.st_size), " bytes)"));
   }
   void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
   if (base == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat("mmap of ", size, " bytes failed: ", std::strerror(errno)));
+    const int err = errno;
+    close(fd);
+    return absl::ResourceExhaustedError(absl::StrCat("mmap of ", size, " bytes failed: ", std::strerror(err)));
   }
+  // The fd stays open: every use fstat()s it (the object may shrink after this check).
   return std::make_shared<Region>(Registry::NewId("r-"), tenant, RegionKind::kShm, name, static_cast<uint8_t*>(base),
-                                  size, [](uint8_t* p, uint64_t n) { munmap(p, n); });
+                                  size, [](uint8_t* p, uint64_t n) { munmap(p, n); }, fd);
 }
 
 }  // namespace kvpack::server

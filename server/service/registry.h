@@ -64,8 +64,10 @@ enum class RegionKind { kShm, kCudaIpc };
 
 class Region {
  public:
+  // `fd` (shared-memory regions; owned, closed with the region) lets every use check the object's
+  // current size, and the mapping is guarded against SIGBUS (shm_guard.h); -1 for CUDA IPC.
   Region(std::string id, std::string tenant, RegionKind kind, std::string name, uint8_t* base, uint64_t size,
-         std::function<void(uint8_t*, uint64_t)> unmap);
+         std::function<void(uint8_t*, uint64_t)> unmap, int fd = -1);
   ~Region();
   const std::string& id() const { return id_; }
   const std::string& tenant() const { return tenant_; }
@@ -73,8 +75,13 @@ class Region {
   const std::string& name() const { return name_; }
   uint64_t size() const { return size_; }
   int users() const;
-  // The bytes [offset, offset + bytes), bounds-checked; `field` names the request field in errors.
+  // The bytes [offset, offset + bytes), bounds-checked against the registered size and, for a
+  // shared-memory object, its size now (a frontend may have truncated it since: FAILED_PRECONDITION,
+  // never a SIGBUS); `field` names the request field in errors.
   absl::StatusOr<uint8_t*> Slice(uint64_t offset, uint64_t bytes, const std::string& field) const;
+  // FAILED_PRECONDITION once the object was truncated under an access (the guard replaced the
+  // mapping with zero pages): a request that used the region must fail.
+  absl::Status Intact() const;
 
  private:
   friend class RegionUse;
@@ -88,6 +95,8 @@ class Region {
   uint8_t* const base_;
   const uint64_t size_;
   std::function<void(uint8_t*, uint64_t)> unmap_;
+  const int fd_;
+  int guard_ = -1;  // shm_guard slot
   mutable std::mutex mu_;
   int users_ = 0;
   std::vector<std::function<void()>> on_idle_;  // unregister waiters
@@ -114,23 +123,41 @@ struct RegistryCounts {
   int cuda_ipc = 0;
 };
 
+// Bounds on what clients may register (RESOURCE_EXHAUSTED beyond them). Each shm region holds a
+// mapping and an open file descriptor; without a bound one tenant registering the same 4 KiB object
+// ~65k times exhausted the daemon's memory (std::bad_alloc) and file descriptors.
+// Handles are bounded too: each costs at least one 256-byte pool granule, but also host memory
+// for its entry, so a large budget alone would let tiny weights pile up millions of entries.
+struct RegistryLimits {
+  int max_regions = 4096;             // all tenants (--max_regions)
+  int max_regions_per_tenant = 1024;  // --max_regions_per_tenant
+  int max_handles = 65536;            // weights and K/V handles, all tenants (--max_handles)
+  int max_handles_per_tenant = 4096;  // --max_handles_per_tenant
+};
+
 class Registry {
  public:
-  Registry(const Clock* clock, absl::Duration lease);
+  Registry(const Clock* clock, absl::Duration lease, RegistryLimits limits = {});
 
   static std::string NewId(const char* prefix);
   absl::Duration lease() const { return lease_; }
 
-  void AddWeights(std::shared_ptr<WeightsEntry> entry);
+  // RESOURCE_EXHAUSTED when one more handle of `tenant` would pass a handle limit (a fail-fast
+  // check before work; AddWeights/AddKv check again).
+  absl::Status CheckHandleRoom(const std::string& tenant) const;
+  // RESOURCE_EXHAUSTED (the entry dropped, its memory freed) beyond the handle limits.
+  absl::Status AddWeights(std::shared_ptr<WeightsEntry> entry);
   absl::StatusOr<std::shared_ptr<WeightsEntry>> GetWeights(const std::string& tenant, const std::string& id,
                                                            const char* field);
   absl::Status ReleaseWeights(const std::string& tenant, const std::string& id);
 
-  void AddKv(std::shared_ptr<KvEntry> entry);
+  absl::Status AddKv(std::shared_ptr<KvEntry> entry);
   absl::StatusOr<std::shared_ptr<KvEntry>> GetKv(const std::string& tenant, const std::string& id, const char* field);
   absl::Status ReleaseKv(const std::string& tenant, const std::string& id);
 
-  void AddRegion(std::shared_ptr<Region> region);
+  // RESOURCE_EXHAUSTED (and the region unmapped) when the tenant or the daemon holds its limit.
+  absl::Status AddRegion(std::shared_ptr<Region> region);
+  const RegistryLimits& limits() const { return limits_; }
   absl::StatusOr<RegionUse> UseRegion(const std::string& tenant, const std::string& id, const std::string& field);
   // Removes the region now; `done` runs when no request uses it any more (maybe at once).
   absl::Status UnregisterRegion(const std::string& tenant, const std::string& id, std::function<void()> done);
@@ -146,6 +173,9 @@ class Registry {
   RegistryCounts TenantCounts(const std::string& tenant) const;
 
  private:
+  void ForgetRegionLocked(const std::string& tenant);  // REQUIRES: mu_ held
+  absl::Status HandleRoomLocked(const std::string& tenant) const;  // REQUIRES: mu_ held
+  void ForgetHandleLocked(const std::string& tenant);  // REQUIRES: mu_ held
   template <typename T>
   struct Slot {
     std::shared_ptr<T> entry;
@@ -153,10 +183,13 @@ class Registry {
   };
   const Clock* const clock_;
   const absl::Duration lease_;
+  const RegistryLimits limits_;
   mutable std::mutex mu_;
   std::map<std::string, Slot<WeightsEntry>> weights_;
   std::map<std::string, Slot<KvEntry>> kv_;
   std::map<std::string, Slot<Region>> regions_;
+  std::map<std::string, int> regions_by_tenant_;  // kept with regions_
+  std::map<std::string, int> handles_by_tenant_;  // kept with weights_ and kv_
 };
 
 // Maps the POSIX shared-memory object `name` ("/name", shm_open rules) for `size` bytes.

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/service/bounded.h"
 #include "server/service/convert.h"
 #include "server/service/status_map.h"
 
@@ -31,6 +32,11 @@ absl::Status CheckLimits(const LayerShape& shape, const ServiceLimits& limits) {
                                                    " page tables entries"));
   }
   return absl::OkStatus();
+}
+
+absl::Status TooManyChunks(const ServiceLimits& limits) {
+  return absl::ResourceExhaustedError(absl::StrCat("chunk: more than ", limits.max_chunks_per_call,
+                                                   " chunks in one call (--max_chunks_per_call); send larger chunks"));
 }
 
 KvpackService::KvpackService(Engine* engine, Auth auth, ServiceLimits limits)
@@ -90,123 +96,127 @@ grpc::ServerUnaryReactor* KvpackService::ReleaseKv(grpc::CallbackServerContext* 
 
 grpc::ServerUnaryReactor* KvpackService::Plan(grpc::CallbackServerContext* context, const v1::PlanRequest* request,
                                               v1::PlanResponse* response) {
-  constexpr char kMethod[] = "Plan";
-  absl::StatusOr<std::string> tenant = Admit(*context);
-  if (!tenant.ok()) return FinishUnary(context, kMethod, tenant.status());
-  const v1::LayerHeader& header = request->header();
-  bool has_bias = request->has_bias();
-  int norm_len = header.options().qk_norm().weight_len();
-  if (!header.weights_handle().empty()) {
-    absl::StatusOr<std::shared_ptr<WeightsEntry>> w =
-        engine_->registry().GetWeights(*tenant, header.weights_handle(), "header.weights_handle");
-    if (!w.ok()) return FinishUnary(context, kMethod, w.status());
-    has_bias = (*w)->has_bias;
-    norm_len = (*w)->norm_len;
-  }
-  absl::StatusOr<LayerRequest> layer = LayerRequestFromProto(header, has_bias, norm_len);
-  if (!layer.ok()) return FinishUnary(context, kMethod, layer.status());
-  if (absl::Status s = CheckLimits(layer->shape, limits_); !s.ok()) return FinishUnary(context, kMethod, s);
-  absl::StatusOr<LayerPlan> plan = engine_->Plan(*tenant, *layer);
-  if (!plan.ok()) return FinishUnary(context, kMethod, plan.status());
-  response->set_fits(plan->fits);
-  response->set_reason(plan->reason);
-  PlanToProto(*plan, response->mutable_plan());
-  return FinishUnary(context, kMethod, absl::OkStatus());
+  return Guarded(context, "Plan", [&]() -> grpc::ServerUnaryReactor* {
+    constexpr char kMethod[] = "Plan";
+    absl::StatusOr<std::string> tenant = Admit(*context);
+    if (!tenant.ok()) return FinishUnary(context, kMethod, tenant.status());
+    const v1::LayerHeader& header = request->header();
+    bool has_bias = request->has_bias();
+    int norm_len = header.options().qk_norm().weight_len();
+    if (!header.weights_handle().empty()) {
+      absl::StatusOr<std::shared_ptr<WeightsEntry>> w =
+          engine_->registry().GetWeights(*tenant, header.weights_handle(), "header.weights_handle");
+      if (!w.ok()) return FinishUnary(context, kMethod, w.status());
+      has_bias = (*w)->has_bias;
+      norm_len = (*w)->norm_len;
+    }
+    absl::StatusOr<LayerRequest> layer = LayerRequestFromProto(header, has_bias, norm_len);
+    if (!layer.ok()) return FinishUnary(context, kMethod, layer.status());
+    if (absl::Status s = CheckLimits(layer->shape, limits_); !s.ok()) return FinishUnary(context, kMethod, s);
+    absl::StatusOr<LayerPlan> plan = engine_->Plan(*tenant, *layer);
+    if (!plan.ok()) return FinishUnary(context, kMethod, plan.status());
+    response->set_fits(plan->fits);
+    response->set_reason(plan->reason);
+    PlanToProto(*plan, response->mutable_plan());
+    return FinishUnary(context, kMethod, absl::OkStatus());
+  });
 }
 
 grpc::ServerUnaryReactor* KvpackService::Status(grpc::CallbackServerContext* context, const v1::StatusRequest*,
                                                 v1::StatusResponse* response) {
-  absl::StatusOr<std::string> tenant = Admit(*context);
-  if (!tenant.ok()) return FinishUnary(context, "Status", tenant.status());
-  Engine& e = *engine_;
-  const PoolSnapshot s = e.pool().Snapshot();
-  response->set_version(e.options().version);
-  response->set_backend(e.backend().name());
-  response->set_budget_bytes(s.budget);
-  response->set_pool_bytes(s.allocated);
-  response->set_kv_active_bytes(s.by_state[static_cast<int>(PoolState::kKvActive)]);
-  response->set_kv_kept_bytes(s.by_state[static_cast<int>(PoolState::kKvKept)]);
-  response->set_weights_bytes(s.by_state[static_cast<int>(PoolState::kWeights)]);
-  response->set_workspace_bytes(s.by_state[static_cast<int>(PoolState::kWorkspace)]);
-  response->set_int4_bytes(s.by_format[static_cast<int>(PageFormat::kInt4)]);
-  response->set_int8_bytes(s.by_format[static_cast<int>(PageFormat::kInt8)]);
-  response->set_bf16_bytes(s.by_format[static_cast<int>(PageFormat::kBf16)]);
-  response->set_high_water_bytes(s.high_water);
-  response->set_mapped_bytes(s.mapped);
-  response->set_reserved_bytes(s.reserved);
-  const GaugeValues g = e.Gauges();
-  response->set_queue_depth(g.queue_depth);
-  response->set_running(e.Running());
-  response->set_max_queue(static_cast<int>(e.scheduler().options().max_queue));
-  response->set_weights_handles(g.weights_handles);
-  response->set_kv_handles(g.kv_handles);
-  response->set_shm_regions(g.shm_regions);
-  response->set_cuda_ipc_regions(g.cuda_ipc_regions);
-  response->set_gpu_free_bytes(g.gpu_free);
-  response->set_gpu_total_bytes(g.gpu_total);
-  response->set_serving(!draining_ && e.Healthy());
-  const DeviceIdentity device = e.backend().Identity();
-  response->set_device_uuid(device.uuid);
-  response->set_device_pci_bus_id(device.pci_bus_id);
-  response->set_device_ordinal(device.ordinal);
-  response->set_inline_bytes_received(inline_received_.load());
-  response->set_inline_bytes_sent(inline_sent_.load());
-  response->set_cuda_wait_event(e.backend().TakesIpcEvents());
-  v1::TenantUsage* t = response->mutable_tenant();
-  t->set_tenant(*tenant);
-  auto it = s.by_tenant.find(*tenant);
-  t->set_pool_bytes(it == s.by_tenant.end() ? 0 : it->second);
-  const RegistryCounts c = e.registry().TenantCounts(*tenant);
-  t->set_weights_handles(c.weights);
-  t->set_kv_handles(c.kv);
-  t->set_regions(c.shm + c.cuda_ipc);
-  const auto queued = e.scheduler().QueuedByTenant();
-  if (auto q = queued.find(*tenant); q != queued.end()) t->set_queued(q->second);
-  const auto running = e.RunningByTenant();
-  if (auto r = running.find(*tenant); r != running.end()) t->set_running(r->second);
-  t->set_quota_bytes(e.options().tenant_quota_bytes);
-  return FinishUnary(context, "Status", absl::OkStatus());
+  return Guarded(context, "Status", [&]() -> grpc::ServerUnaryReactor* {
+    absl::StatusOr<std::string> tenant = Admit(*context);
+    if (!tenant.ok()) return FinishUnary(context, "Status", tenant.status());
+    Engine& e = *engine_;
+    const PoolSnapshot s = e.pool().Snapshot();
+    response->set_version(e.options().version);
+    response->set_backend(e.backend().name());
+    response->set_budget_bytes(s.budget);
+    response->set_pool_bytes(s.allocated);
+    response->set_kv_active_bytes(s.by_state[static_cast<int>(PoolState::kKvActive)]);
+    response->set_kv_kept_bytes(s.by_state[static_cast<int>(PoolState::kKvKept)]);
+    response->set_weights_bytes(s.by_state[static_cast<int>(PoolState::kWeights)]);
+    response->set_workspace_bytes(s.by_state[static_cast<int>(PoolState::kWorkspace)]);
+    response->set_int4_bytes(s.by_format[static_cast<int>(PageFormat::kInt4)]);
+    response->set_int8_bytes(s.by_format[static_cast<int>(PageFormat::kInt8)]);
+    response->set_bf16_bytes(s.by_format[static_cast<int>(PageFormat::kBf16)]);
+    response->set_high_water_bytes(s.high_water);
+    response->set_mapped_bytes(s.mapped);
+    response->set_reserved_bytes(s.reserved);
+    const GaugeValues g = e.Gauges();
+    response->set_queue_depth(g.queue_depth);
+    response->set_running(e.Running());
+    response->set_max_queue(static_cast<int>(e.scheduler().options().max_queue));
+    response->set_weights_handles(g.weights_handles);
+    response->set_kv_handles(g.kv_handles);
+    response->set_shm_regions(g.shm_regions);
+    response->set_cuda_ipc_regions(g.cuda_ipc_regions);
+    response->set_gpu_free_bytes(g.gpu_free);
+    response->set_gpu_total_bytes(g.gpu_total);
+    response->set_serving(!draining_ && e.Healthy());
+    const DeviceIdentity device = e.backend().Identity();
+    response->set_device_uuid(device.uuid);
+    response->set_device_pci_bus_id(device.pci_bus_id);
+    response->set_device_ordinal(device.ordinal);
+    response->set_inline_bytes_received(inline_received_.load());
+    response->set_inline_bytes_sent(inline_sent_.load());
+    response->set_cuda_wait_event(e.backend().TakesIpcEvents());
+    v1::TenantUsage* t = response->mutable_tenant();
+    t->set_tenant(*tenant);
+    auto it = s.by_tenant.find(*tenant);
+    t->set_pool_bytes(it == s.by_tenant.end() ? 0 : it->second);
+    const RegistryCounts c = e.registry().TenantCounts(*tenant);
+    t->set_weights_handles(c.weights);
+    t->set_kv_handles(c.kv);
+    t->set_regions(c.shm + c.cuda_ipc);
+    const auto queued = e.scheduler().QueuedByTenant();
+    if (auto q = queued.find(*tenant); q != queued.end()) t->set_queued(q->second);
+    const auto running = e.RunningByTenant();
+    if (auto r = running.find(*tenant); r != running.end()) t->set_running(r->second);
+    t->set_quota_bytes(e.options().tenant_quota_bytes);
+    return FinishUnary(context, "Status", absl::OkStatus());
+  });
 }
 
 grpc::ServerUnaryReactor* KvpackService::RegisterRegion(grpc::CallbackServerContext* context,
                                                         const v1::RegisterRegionRequest* request,
                                                         v1::RegisterRegionResponse* response) {
-  constexpr char kMethod[] = "RegisterRegion";
-  absl::StatusOr<std::string> tenant = Admit(*context);
-  if (!tenant.ok()) return FinishUnary(context, kMethod, tenant.status());
-  switch (request->kind()) {
-    case v1::REGION_SHM: {
-      absl::StatusOr<std::shared_ptr<Region>> region =
-          MapShmRegion(*tenant, request->shm_name(), request->size_bytes());
-      if (!region.ok()) return FinishUnary(context, kMethod, region.status());
-      response->set_region_id((*region)->id());
-      response->set_lease_seconds(absl::ToDoubleSeconds(engine_->registry().lease()));
-      engine_->registry().AddRegion(std::move(*region));
-      return FinishUnary(context, kMethod, absl::OkStatus());
-    }
-    case v1::REGION_CUDA_IPC: {
-      if (request->cuda_ipc_handle().size() != 64) {
+  return Guarded(context, "RegisterRegion", [&]() -> grpc::ServerUnaryReactor* {
+    constexpr char kMethod[] = "RegisterRegion";
+    absl::StatusOr<std::string> tenant = Admit(*context);
+    if (!tenant.ok()) return FinishUnary(context, kMethod, tenant.status());
+    switch (request->kind()) {
+      case v1::REGION_SHM: {
+        absl::StatusOr<std::shared_ptr<Region>> region =
+            MapShmRegion(*tenant, request->shm_name(), request->size_bytes());
+        if (!region.ok()) return FinishUnary(context, kMethod, region.status());
+        response->set_region_id((*region)->id());
+        response->set_lease_seconds(absl::ToDoubleSeconds(engine_->registry().lease()));
+        return FinishUnary(context, kMethod, engine_->registry().AddRegion(std::move(*region)));
+      }
+      case v1::REGION_CUDA_IPC: {
+        if (request->cuda_ipc_handle().size() != 64) {
+          return FinishUnary(context, kMethod,
+                             absl::InvalidArgumentError(absl::StrCat("cuda_ipc_handle: ", request->cuda_ipc_handle().size(),
+                                                                     " bytes, expected the 64 of a cudaIpcMemHandle_t")));
+        }
+        if (request->size_bytes() == 0) {
+          return FinishUnary(context, kMethod, absl::InvalidArgumentError("size_bytes: must be positive"));
+        }
+        absl::StatusOr<Backend::IpcMapping> mapping =
+            engine_->backend().OpenIpcRegion(request->cuda_ipc_handle(), request->device(), request->size_bytes());
+        if (!mapping.ok()) return FinishUnary(context, kMethod, mapping.status());
+        auto region = std::make_shared<Region>(Registry::NewId("r-"), *tenant, RegionKind::kCudaIpc, "", mapping->base,
+                                               request->size_bytes(), std::move(mapping->close));
+        response->set_region_id(region->id());
+        response->set_lease_seconds(absl::ToDoubleSeconds(engine_->registry().lease()));
+        return FinishUnary(context, kMethod, engine_->registry().AddRegion(std::move(region)));
+      }
+      default:
         return FinishUnary(context, kMethod,
-                           absl::InvalidArgumentError(absl::StrCat("cuda_ipc_handle: ", request->cuda_ipc_handle().size(),
-                                                                   " bytes, expected the 64 of a cudaIpcMemHandle_t")));
-      }
-      if (request->size_bytes() == 0) {
-        return FinishUnary(context, kMethod, absl::InvalidArgumentError("size_bytes: must be positive"));
-      }
-      absl::StatusOr<Backend::IpcMapping> mapping =
-          engine_->backend().OpenIpcRegion(request->cuda_ipc_handle(), request->device(), request->size_bytes());
-      if (!mapping.ok()) return FinishUnary(context, kMethod, mapping.status());
-      auto region = std::make_shared<Region>(Registry::NewId("r-"), *tenant, RegionKind::kCudaIpc, "", mapping->base,
-                                             request->size_bytes(), std::move(mapping->close));
-      response->set_region_id(region->id());
-      response->set_lease_seconds(absl::ToDoubleSeconds(engine_->registry().lease()));
-      engine_->registry().AddRegion(std::move(region));
-      return FinishUnary(context, kMethod, absl::OkStatus());
+                           absl::InvalidArgumentError(absl::StrCat("kind = ", request->kind(), ": expected REGION_SHM or REGION_CUDA_IPC")));
     }
-    default:
-      return FinishUnary(context, kMethod,
-                         absl::InvalidArgumentError(absl::StrCat("kind = ", request->kind(), ": expected REGION_SHM or REGION_CUDA_IPC")));
-  }
+  });
 }
 
 grpc::ServerUnaryReactor* KvpackService::UnregisterRegion(grpc::CallbackServerContext* context,
@@ -226,35 +236,39 @@ grpc::ServerUnaryReactor* KvpackService::UnregisterRegion(grpc::CallbackServerCo
 grpc::ServerUnaryReactor* KvpackService::RegionStatus(grpc::CallbackServerContext* context,
                                                       const v1::RegionStatusRequest* request,
                                                       v1::RegionStatusResponse* response) {
-  constexpr char kMethod[] = "RegionStatus";
-  absl::StatusOr<std::string> tenant = Admit(*context);
-  if (!tenant.ok()) return FinishUnary(context, kMethod, tenant.status());
-  bool found = request->region_id().empty();
-  for (const std::shared_ptr<Region>& r : engine_->registry().Regions(*tenant)) {
-    if (!request->region_id().empty() && r->id() != request->region_id()) continue;
-    found = true;
-    v1::RegionInfo* info = response->add_regions();
-    info->set_region_id(r->id());
-    info->set_kind(r->kind() == RegionKind::kShm ? v1::REGION_SHM : v1::REGION_CUDA_IPC);
-    info->set_shm_name(r->name());
-    info->set_size_bytes(r->size());
-    info->set_users(r->users());
-  }
-  if (!found) {
-    return FinishUnary(context, kMethod,
-                       absl::NotFoundError(absl::StrCat("region_id = \"", request->region_id(), "\": no such region for this tenant")));
-  }
-  return FinishUnary(context, kMethod, absl::OkStatus());
+  return Guarded(context, "RegionStatus", [&]() -> grpc::ServerUnaryReactor* {
+    constexpr char kMethod[] = "RegionStatus";
+    absl::StatusOr<std::string> tenant = Admit(*context);
+    if (!tenant.ok()) return FinishUnary(context, kMethod, tenant.status());
+    bool found = request->region_id().empty();
+    for (const std::shared_ptr<Region>& r : engine_->registry().Regions(*tenant)) {
+      if (!request->region_id().empty() && r->id() != request->region_id()) continue;
+      found = true;
+      v1::RegionInfo* info = response->add_regions();
+      info->set_region_id(r->id());
+      info->set_kind(r->kind() == RegionKind::kShm ? v1::REGION_SHM : v1::REGION_CUDA_IPC);
+      info->set_shm_name(r->name());
+      info->set_size_bytes(r->size());
+      info->set_users(r->users());
+    }
+    if (!found) {
+      return FinishUnary(context, kMethod,
+                         absl::NotFoundError(absl::StrCat("region_id = \"", Bounded(request->region_id()), "\": no such region for this tenant")));
+    }
+    return FinishUnary(context, kMethod, absl::OkStatus());
+  });
 }
 
 grpc::ServerUnaryReactor* KvpackService::KeepAlive(grpc::CallbackServerContext* context,
                                                    const v1::KeepAliveRequest* request, v1::KeepAliveResponse* response) {
-  absl::StatusOr<std::string> tenant = Admit(*context);
-  if (!tenant.ok()) return FinishUnary(context, "KeepAlive", tenant.status());
-  const std::vector<std::string> ids(request->ids().begin(), request->ids().end());
-  response->set_renewed(engine_->registry().KeepAlive(*tenant, ids));
-  response->set_lease_seconds(absl::ToDoubleSeconds(engine_->registry().lease()));
-  return FinishUnary(context, "KeepAlive", absl::OkStatus());
+  return Guarded(context, "KeepAlive", [&]() -> grpc::ServerUnaryReactor* {
+    absl::StatusOr<std::string> tenant = Admit(*context);
+    if (!tenant.ok()) return FinishUnary(context, "KeepAlive", tenant.status());
+    const std::vector<std::string> ids(request->ids().begin(), request->ids().end());
+    response->set_renewed(engine_->registry().KeepAlive(*tenant, ids));
+    response->set_lease_seconds(absl::ToDoubleSeconds(engine_->registry().lease()));
+    return FinishUnary(context, "KeepAlive", absl::OkStatus());
+  });
 }
 
 }  // namespace kvpack::server

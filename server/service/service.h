@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <new>
 #include <string>
 
 #include "kvpack/v1/kvpack.grpc.pb.h"
@@ -21,9 +22,14 @@ struct ServiceLimits {
   int max_hidden = 1 << 16;                 // D
   int max_heads = 1024;                     // H
   int64_t max_page_heads = 1ll << 24;       // (N / 64 + ranges) · H: page-table entries per layer
+  // Messages of one streamed call (header and chunks): bounds the per-message work a client can
+  // cause with empty chunks (RESOURCE_EXHAUSTED). 16 GiB in the clients' 1-2 MiB chunks is 16,384.
+  int64_t max_chunks_per_call = 65536;
 };
 
 absl::Status CheckLimits(const LayerShape& shape, const ServiceLimits& limits);
+// The RESOURCE_EXHAUSTED of a call that sent more than max_chunks_per_call chunks.
+absl::Status TooManyChunks(const ServiceLimits& limits);
 
 class KvpackService final : public v1::Kvpack::CallbackService {
  public:
@@ -75,6 +81,16 @@ class KvpackService final : public v1::Kvpack::CallbackService {
  private:
   grpc::ServerUnaryReactor* FinishUnary(grpc::CallbackServerContext* context, const char* method,
                                         const absl::Status& status);
+  // Runs a unary handler's body; a std::bad_alloc from it finishes the call RESOURCE_EXHAUSTED
+  // (counted) instead of escaping into gRPC. REQUIRES: the body throws before it finishes the call.
+  template <typename Body>
+  grpc::ServerUnaryReactor* Guarded(grpc::CallbackServerContext* context, const char* method, Body&& body) {
+    try {
+      return body();
+    } catch (const std::bad_alloc&) {
+      return FinishUnary(context, method, absl::ResourceExhaustedError("the daemon ran out of host memory for this call"));
+    }
+  }
 
   Engine* const engine_;
   const Auth auth_;

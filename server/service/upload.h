@@ -2,6 +2,7 @@
 // message first, then chunks of the inline tensors it announced.
 #pragma once
 
+#include <new>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -20,6 +21,17 @@ absl::Status DispatchUpload(const Message& in, bool have_header, OnHeader&& on_h
     return have_header ? on_chunk(in.chunk()) : absl::InvalidArgumentError("header: must come before any chunk");
   }
   return absl::InvalidArgumentError("message: neither header nor chunk");
+}
+
+// Runs `body` (returning absl::Status) and turns a std::bad_alloc from it into RESOURCE_EXHAUSTED:
+// an exception must not escape a gRPC callback (the call would never finish; see issue 16).
+template <typename Body>
+absl::Status CatchAllocationFailure(Body&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("the daemon ran out of host memory for this call");
+  }
 }
 
 }  // namespace kvpack::server

@@ -39,9 +39,11 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
       OnUploadComplete();
       return;
     }
-    const absl::Status s = DispatchUpload(
-        in_, entry_ != nullptr, [this](const v1::WeightsHeader& h) { return OnHeader(h); },
-        [this](const v1::TensorChunk& c) { return OnChunk(c); });
+    const absl::Status s = CatchAllocationFailure([this] {
+      return DispatchUpload(
+          in_, entry_ != nullptr, [this](const v1::WeightsHeader& h) { return OnHeader(h); },
+          [this](const v1::TensorChunk& c) { return OnChunk(c); });
+    });
     if (!s.ok()) {
       FinishOnce(s);
       return;
@@ -93,6 +95,7 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
     if (refs[0]->location_case() == v1::TensorRef::LOCATION_NOT_SET) return absl::InvalidArgumentError("header.w_qkv: required");
 
     Engine& engine = service_->engine();
+    if (absl::Status s = engine.registry().CheckHandleRoom(tenant_); !s.ok()) return s;
     if (absl::Status s = engine.CheckQuota(tenant_, entry->total_bytes()); !s.ok()) return s;
     absl::StatusOr<Pool::Lease> lease = engine.pool().Allocate({entry->total_bytes(), PoolState::kWeights, tenant_, {}});
     if (!lease.ok()) return lease.status();
@@ -118,6 +121,7 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
       absl::StatusOr<uint8_t*> src = use->get()->Slice(slice.offset(), p.size, field);
       if (!src.ok()) return src.status();
       if (absl::Status s = engine.backend().CopyToPool(entry->lease.data() + p.offset, *src, p.size); !s.ok()) return s;
+      if (absl::Status s = use->get()->Intact(); !s.ok()) return s;  // truncated during the copy
       p.received = p.size;
     }
     entry_ = std::move(entry);
@@ -129,6 +133,7 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
   }
 
   absl::Status OnChunk(const v1::TensorChunk& chunk) {
+    if (++chunks_ > service_->limits().max_chunks_per_call) return TooManyChunks(service_->limits());
     Part* part = nullptr;
     for (Part& p : parts_) {
       if (p.id == chunk.tensor()) part = &p;
@@ -171,8 +176,9 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
     response_->set_handle(entry_->id);
     response_->set_pool_bytes(entry_->lease.bytes());
     response_->set_lease_seconds(absl::ToDoubleSeconds(service_->engine().registry().lease()));
-    service_->engine().registry().AddWeights(std::move(entry_));
-    FinishOnce(absl::OkStatus());
+    const absl::Status added = service_->engine().registry().AddWeights(entry_);
+    if (added.ok()) entry_.reset();  // the registry's now (leases reap entries nobody else holds)
+    FinishOnce(added);
   }
 
   void FinishOnce(const absl::Status& status) {
@@ -189,6 +195,7 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
   v1::WeightsRequest in_;
   std::shared_ptr<WeightsEntry> entry_;
   Part parts_[4];
+  int64_t chunks_ = 0;
   bool finished_ = false;
 };
 

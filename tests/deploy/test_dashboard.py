@@ -66,6 +66,17 @@ def test_required_views_present(dash):
     assert "histogram_quantile" in text
 
 
+def test_peak_quantiles_are_drawn_against_the_budget(dash):
+    """The per-request peak panel shows its quantiles beside the budget, the one bound they must
+    respect (test_live_metrics checks that the buckets end at the budget)."""
+    peak = [p for p in dash["panels"]
+            if any("kvpack_request_peak_bytes_bucket" in t["expr"] for t in p.get("targets", []))]
+    assert len(peak) == 1
+    exprs = [t["expr"] for t in peak[0]["targets"]]
+    assert any(e.startswith("kvpack_budget_bytes") for e in exprs), exprs
+    assert all("histogram_quantile" in e for e in exprs if "peak" in e), exprs
+
+
 def test_every_query_follows_the_metrics_contract(dash):
     fams = mc.families()
     bad = [f"{title}: {p}" for title, expr in queries(dash) for p in mc.problems(expr, fams)]

@@ -21,7 +21,7 @@ from kvpack import testing  # noqa: E402  (standard library only)
 UNLABELED_AT_START = {"kvpack_budget_bytes", "kvpack_pool_high_water_bytes",
                       "kvpack_pool_mapped_bytes", "kvpack_queue_depth",
                       "kvpack_request_peak_bytes", "kvpack_precision_downgrades_total",
-                      "kvpack_build_info"}
+                      "kvpack_build_info", "kvpack_inline_bytes", "kvpack_inline_budget_bytes"}
 
 pytestmark = pytest.mark.skipif(testing.find_kvpackd() is None,
                                 reason="no kvpackd binary (build the daemon or set KVPACK_BUILD_DIR)")
@@ -50,6 +50,20 @@ def test_families_present_at_start(scrape):
     types, _ = mc.parse_exposition(scrape)
     missing = sorted(UNLABELED_AT_START - set(types))
     assert not missing, f"a fresh daemon does not export {missing}"
+
+
+def test_peak_buckets_end_at_the_budget(scrape):
+    """kvpack_request_peak_bytes' buckets are fractions of the budget ending at it, at most 2x apart
+    and 1/16 of the budget apart above half of it: a quantile interpolated from them can never lie
+    above the budget (4x-apart buckets showed p90/p99 peaks above it on the dashboard)."""
+    budget = float(re.search(r"^kvpack_budget_bytes(?:\{[^}]*\})? (\S+)$", scrape, re.M).group(1))
+    bounds = sorted(float(le) for le in re.findall(r'^kvpack_request_peak_bytes_bucket\{le="([^"+]+)"\}', scrape,
+                                                  re.M))
+    assert bounds, "no finite peak buckets exported"
+    assert bounds[-1] == pytest.approx(budget), (bounds[-1], budget)
+    assert all(b / a <= 2.0 + 1e-9 for a, b in zip(bounds, bounds[1:])), bounds
+    upper = [b for b in bounds if b >= budget / 2]
+    assert all(b - a == pytest.approx(budget / 16) for a, b in zip(upper, upper[1:])), upper
 
 
 def test_dashboard_and_rules_read_only_exported_or_labelled_families(scrape):

@@ -36,6 +36,11 @@ TEST_F(AuthTest, TokensAndTenants) {
   EXPECT_EQ(daemon_.Connect("", "wrong-token-0123456789")->Status().status().code(),
             absl::StatusCode::kUnauthenticated);
   EXPECT_EQ(daemon_.Connect("bob", kAliceToken)->Status().status().code(), absl::StatusCode::kPermissionDenied);
+  // The token is checked first: a caller without a valid one learns nothing about its other headers.
+  EXPECT_EQ(daemon_.Connect("bad tenant!")->Status().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(daemon_.Connect("bad tenant!", "wrong-token-0123456789")->Status().status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(daemon_.Connect("bad tenant!", kAnyToken)->Status().status().code(), absl::StatusCode::kInvalidArgument);
 
   absl::StatusOr<v1::StatusResponse> s = daemon_.Connect("", kAliceToken)->Status();
   ASSERT_TRUE(s.ok()) << s.status();

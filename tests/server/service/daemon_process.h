@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -32,11 +33,16 @@ namespace kvpack::testing {
 class DaemonProcess {
  public:
   // Extra flags are appended to --listen=127.0.0.1:0 --metrics_address=127.0.0.1:0 --cpu_threads=1.
-  explicit DaemonProcess(std::vector<std::string> flags) {
+  // `address_space` > 0 caps the daemon's virtual memory (RLIMIT_AS), so large allocations fail.
+  explicit DaemonProcess(std::vector<std::string> flags, uint64_t address_space = 0) {
     int out[2];
     if (pipe(out) != 0) return;
     pid_ = fork();
     if (pid_ == 0) {
+      if (address_space > 0) {
+        const rlimit limit{address_space, address_space};
+        setrlimit(RLIMIT_AS, &limit);
+      }
       dup2(out[1], STDOUT_FILENO);
       close(out[0]);
       close(out[1]);

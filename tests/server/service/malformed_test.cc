@@ -119,6 +119,45 @@ TEST_F(MalformedTest, LayerRequests) {
        grpc::StatusCode::INVALID_ARGUMENT, "without RoPE"},
       {"rope axis", [&](M* m) { header(m)->mutable_options()->mutable_rope()->set_axis_dims(0, 7); },
        grpc::StatusCode::INVALID_ARGUMENT, "axis_dims"},
+      {"rope axis sum overflows int32",  // 2^30 + 2^30 wrapped to a negative sum that passed "sum <= head_dim"
+       [&](M* m) {
+         v1::RopeOptions* rope = header(m)->mutable_options()->mutable_rope();
+         rope->clear_axis_dims();
+         rope->add_axis_dims(1 << 30);
+         rope->add_axis_dims(1 << 30);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "axis_dims[0]"},
+      {"projected row stride overflows int64",
+       [&](M* m) {
+         v1::LayerHeader* h = header(m);
+         h->clear_weights_handle();
+         h->clear_x();
+         h->clear_positions();
+         h->mutable_options()->clear_rope();
+         h->mutable_options()->clear_qk_norm();
+         h->mutable_shape()->set_hidden(0);
+         v1::ProjectedQkv* p = h->mutable_projected();
+         p->set_layout(v1::ProjectedQkv::LAYOUT_TOKEN_MAJOR);
+         p->set_row_stride(1ll << 62);
+         for (v1::TensorRef* t : {p->mutable_q(), p->mutable_k(), p->mutable_v()}) t->set_inline_bytes(64);
+         m->resize(1);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "strides span"},
+      {"projected head-major batch stride overflows int64",
+       [&](M* m) {
+         v1::LayerHeader* h = header(m);
+         h->clear_weights_handle();
+         h->clear_x();
+         h->clear_positions();
+         h->mutable_options()->clear_rope();
+         h->mutable_options()->clear_qk_norm();
+         h->mutable_shape()->set_hidden(0);
+         h->mutable_shape()->set_n_tokens(1 << 30);
+         h->mutable_shape()->set_n_heads(1 << 30);
+         h->mutable_projected()->set_layout(v1::ProjectedQkv::LAYOUT_HEAD_MAJOR);
+         m->resize(1);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "n_heads"},
       {"output none", [&](M* m) { header(m)->mutable_output()->set_mode(v1::OUTPUT_NONE); },
        grpc::StatusCode::INVALID_ARGUMENT, "writes an output"},
       {"unknown output mode", [&](M* m) { header(m)->mutable_output()->set_mode(static_cast<v1::OutputMode>(9)); },

@@ -27,7 +27,7 @@ TEST(Registry, IdsAreRandomAndTenantScoped) {
   EXPECT_EQ(a.size(), 34u);
   EXPECT_NE(a, b);
   auto w = Weights("alice");
-  r.AddWeights(w);
+  ASSERT_TRUE(r.AddWeights(w).ok());
   EXPECT_TRUE(r.GetWeights("alice", w->id, "h").ok());
   EXPECT_EQ(r.GetWeights("bob", w->id, "h").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(r.ReleaseWeights("bob", w->id).code(), absl::StatusCode::kNotFound);
@@ -41,9 +41,9 @@ TEST(Registry, LeasesExpireUnlessUsedOrRenewed) {
   Registry r(&clock, absl::Seconds(10));
   auto used = Weights("t"), renewed = Weights("t"), idle = Weights("t");
   const std::string used_id = used->id, renewed_id = renewed->id;
-  r.AddWeights(std::move(used));
-  r.AddWeights(std::move(renewed));
-  r.AddWeights(std::move(idle));
+  ASSERT_TRUE(r.AddWeights(std::move(used)).ok());
+  ASSERT_TRUE(r.AddWeights(std::move(renewed)).ok());
+  ASSERT_TRUE(r.AddWeights(std::move(idle)).ok());
   clock.Advance(absl::Seconds(6));
   ASSERT_TRUE(r.GetWeights("t", used_id, "h").ok());  // use renews
   EXPECT_EQ(r.KeepAlive("t", {renewed_id, "w-unknown"}), 1);
@@ -60,7 +60,7 @@ TEST(Registry, EntriesInUseAreNotReaped) {
   ManualClock clock;
   Registry r(&clock, absl::Seconds(1));
   auto w = Weights("t");
-  r.AddWeights(w);  // `w` stands for a request holding it
+  ASSERT_TRUE(r.AddWeights(w).ok());  // `w` stands for a request holding it
   clock.Advance(absl::Seconds(5));
   EXPECT_EQ(r.Reap(), 0);
   w.reset();
@@ -69,7 +69,7 @@ TEST(Registry, EntriesInUseAreNotReaped) {
   int unmapped = 0;
   auto region = FakeRegion("t", &unmapped);
   const std::string id = region->id();
-  r.AddRegion(std::move(region));
+  ASSERT_TRUE(r.AddRegion(std::move(region)).ok());
   {
     absl::StatusOr<RegionUse> use = r.UseRegion("t", id, "x");
     ASSERT_TRUE(use.ok());
@@ -87,7 +87,7 @@ TEST(Registry, UnregisterWaitsForUsersAndSlicesAreBoundsChecked) {
   int unmapped = 0;
   auto region = FakeRegion("t", &unmapped);
   const std::string id = region->id();
-  r.AddRegion(std::move(region));
+  ASSERT_TRUE(r.AddRegion(std::move(region)).ok());
   absl::StatusOr<RegionUse> use = r.UseRegion("t", id, "header.x.region");
   ASSERT_TRUE(use.ok());
   EXPECT_TRUE(use->get()->Slice(60, 4, "f").ok());
@@ -104,6 +104,75 @@ TEST(Registry, UnregisterWaitsForUsersAndSlicesAreBoundsChecked) {
   *use = RegionUse();  // the last user lets go
   EXPECT_TRUE(done);
   EXPECT_EQ(unmapped, 1);
+}
+
+TEST(Registry, RegionsAreBoundedPerTenantAndPerDaemon) {
+  ManualClock clock;
+  Registry r(&clock, absl::Seconds(10), RegistryLimits{/*max_regions=*/3, /*max_regions_per_tenant=*/2});
+  int unmapped = 0;
+  ASSERT_TRUE(r.AddRegion(FakeRegion("a", &unmapped)).ok());
+  auto second = FakeRegion("a", &unmapped);
+  const std::string second_id = second->id();
+  ASSERT_TRUE(r.AddRegion(second).ok());
+  second.reset();
+  absl::Status s = r.AddRegion(FakeRegion("a", &unmapped));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("--max_regions_per_tenant"), std::string::npos) << s;
+  EXPECT_EQ(unmapped, 1);  // the refused region is unmapped at once
+  ASSERT_TRUE(r.AddRegion(FakeRegion("b", &unmapped)).ok());
+  s = r.AddRegion(FakeRegion("c", &unmapped));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("--max_regions"), std::string::npos) << s;
+  // Unregistering gives the slot back.
+  ASSERT_TRUE(r.UnregisterRegion("a", second_id, [] {}).ok());
+  EXPECT_TRUE(r.AddRegion(FakeRegion("a", &unmapped)).ok());
+  EXPECT_EQ(r.TenantCounts("a").shm, 2);
+}
+
+TEST(Registry, HandlesAreBoundedPerTenantAndPerDaemon) {
+  ManualClock clock;
+  RegistryLimits limits;
+  limits.max_handles = 3;
+  limits.max_handles_per_tenant = 2;
+  Registry r(&clock, absl::Seconds(10), limits);
+  auto w = Weights("a");
+  ASSERT_TRUE(r.AddWeights(w).ok());
+  auto kv = std::make_shared<KvEntry>();
+  kv->id = Registry::NewId("kv-");
+  kv->tenant = "a";
+  ASSERT_TRUE(r.AddKv(kv).ok());
+  EXPECT_EQ(r.CheckHandleRoom("a").code(), absl::StatusCode::kResourceExhausted);
+  absl::Status s = r.AddWeights(Weights("a"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("--max_handles_per_tenant"), std::string::npos) << s;
+  ASSERT_TRUE(r.AddWeights(Weights("b")).ok());
+  s = r.AddWeights(Weights("c"));
+  EXPECT_NE(s.message().find("--max_handles"), std::string::npos) << s;
+  // Releasing and reaping give the room back.
+  ASSERT_TRUE(r.ReleaseKv("a", kv->id).ok());
+  EXPECT_TRUE(r.CheckHandleRoom("a").ok());
+  ASSERT_TRUE(r.AddWeights(Weights("a")).ok());
+  EXPECT_FALSE(r.CheckHandleRoom("a").ok());
+  w.reset();
+  clock.Advance(absl::Seconds(20));
+  EXPECT_EQ(r.Reap(), 3);
+  EXPECT_TRUE(r.CheckHandleRoom("a").ok());
+  EXPECT_TRUE(r.CheckHandleRoom("c").ok());
+}
+
+TEST(Registry, ErrorsEchoAtMostABoundedPrefixOfClientStrings) {
+  ManualClock clock;
+  Registry r(&clock, absl::Seconds(10));
+  const std::string huge(1 << 20, 'w');
+  absl::Status s = r.GetWeights("t", huge, "header.weights_handle").status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_LT(s.message().size(), 200u) << s.message().size();
+  EXPECT_NE(s.message().find("\u2026"), std::string::npos);
+  s = r.UseRegion("t", huge, "header.x.region").status();
+  EXPECT_LT(s.message().size(), 200u);
+  s = MapShmRegion("t", "/" + huge, 64).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LT(s.message().size(), 200u);
 }
 
 }  // namespace
