@@ -1,14 +1,13 @@
-// The producer warp groups of the sm90 attention kernel (load + decode): bulk copies (TMA on
-// mbarriers) bring each visible page's raw K and V bytes into a ring of raw stages, and the producers
-// decode them into the ring of swizzled bf16 tiles that the consumers' wgmma reads, with the page's
-// key table. Internal to kernels/cuda: include only from attention_sm90.cu.
+// The producer side of the sm90 attention kernel (load + decode): where a page's bytes are and their
+// bulk copies (TMA on mbarriers) into a raw stage, and the decode of a raw page into the swizzled bf16
+// K and V tiles that the consumers' wgmma reads, with the page's key table — per format, through the
+// codecs (page_codec.cuh), exhaustively. Internal to kernels/cuda: include only from attention_sm90.cu.
 #pragma once
 
 #include <cstdint>
 
 #include "kernels/cuda/attention_device.cuh"
 #include "kernels/cuda/attention_sm90_ptx.cuh"
-#include "kernels/cuda/attention_sm90_shared.cuh"
 #include "kernels/cuda/attention_sm90_tile.h"
 #include "kernels/cuda/page_codec.cuh"
 
@@ -197,47 +196,6 @@ __device__ __forceinline__ void IssuePageCopy(const uint8_t* pool, const PageSou
   MbarExpectBytes(bar, 2 * bytes);
   BulkCopy(SmemAddr(stage), pool + src.k, bytes, bar);
   BulkCopy(SmemAddr(stage + v_offset), pool + src.v, bytes, bar);
-}
-
-// ── The producer's pipeline over one window's visible pages ─────────────────────────────────────
-// Raw page i + 2 arrives while page i is decoded into tile stage i mod kStages. Thread 0 reads each
-// page's source one page ahead, starts its bulk copies, and hands its descriptor on through shared
-// memory: raw_desc[raw stage] to the decode, tile_desc[stage] to the consumers. raw_phase bit st holds
-// the parity of raw stage st's next completion (it carries over from window to window).
-template <class T>
-__device__ __forceinline__ void ProduceWindow(const AttentionParams& p, SharedState<T>& sh, uint8_t* smem, int head,
-                                              int w0, int n_visible, float scale_log2, uint32_t exponent,
-                                              uint32_t& raw_phase, int tid) {
-  uint8_t* raw = smem + T::kRawOffset;
-  const int stage_bytes = 2 * p.max_page_bytes;
-  PageSource source;
-  auto issue = [&](int j) {  // thread 0: page j's copies, then the source of page j + 1
-    const int st = j % T::kRawStages;
-    IssuePageCopy<T::kDim>(p.kv.pool, source, raw + st * stage_bytes, p.max_page_bytes, SmemAddr(&sh.raw_full[st]));
-    sh.raw_desc[st] = source.desc;
-    if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + sh.scratch.visible[j + 1]);
-  };
-  if (tid == 0) {
-    source = FetchPageSource(p, head, w0 + sh.scratch.visible[0]);
-    for (int j = 0; j < T::kRawStages - 1 && j < n_visible; ++j) issue(j);
-  }
-  for (int i = 0; i < n_visible; ++i) {
-    BarSync(T::kProducerBar, T::kProducerThreads);  // everyone has decoded page i − 1: its stage is free
-    const int next = i + T::kRawStages - 1;
-    if (tid == 0 && next < n_visible) issue(next);
-    const int st = i % T::kRawStages;
-    MbarWait(SmemAddr(&sh.raw_full[st]), (raw_phase >> st) & 1u);
-    raw_phase ^= 1u << st;
-    const int s = i % T::kStages;
-    if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);  // consumers are done with page i − kStages
-    const PageDesc page = sh.raw_desc[st];
-    DecodePage<T::kDim, T::kProducerThreads>(page, raw + st * stage_bytes, p.max_page_bytes,
-                                             smem + T::kKOffset + s * T::kTileBytes, smem + T::kVOffset + s * T::kTileBytes,
-                                             reinterpret_cast<float2*>(sh.key_table[s]), scale_log2, exponent, tid);
-    if (tid == 0) sh.tile_desc[s] = page;
-    FenceProxyAsync();
-    MbarArrive(SmemAddr(&sh.tile_full[s]));
-  }
 }
 
 }  // namespace kvpack::cuda::sm90
