@@ -175,7 +175,7 @@ run_daemon() {
     # -s: the issue-17 tests print their figures (registrations per call, time outside the daemon,
     # compiled vs eager) as FIGURE lines. KVPACK_COMFYUI_DIR (a ComfyUI checkout) adds the real model.
     local t=$ROOT/client/python/tests
-    PYTHONPATH=/tmp/site:$ROOT/client/python timeout 540 python3 -m pytest -q -s -rs -p no:cacheprovider \
+    PYTHONPATH=/tmp/site:$ROOT/client/python timeout "${PYTEST_TIMEOUT:-540}" python3 -m pytest -q -s -rs -p no:cacheprovider \
       "$t/test_torch_projected.py" "$t/test_projected.py" "$t/test_torch_cuda_gpu.py" "$t/test_torch_ops.py" \
       "$t/test_cuda_segments.py" "$t/test_comfy_model.py" >>"$LOGS/pytest.log" 2>&1
     say "pytest (kvpack.torch: CUDA IPC, segments, compile, ComfyUI) exit $?: $(tail -1 "$LOGS/pytest.log")"

@@ -103,7 +103,10 @@ __device__ int CollectVisiblePages(const AttentionParams& p, const QueryRuns& ru
     const PageDesc page = p.kv.pages[w0 + idx];
     bool visible = false;
     for (int e = 0; e < entries && !visible; ++e) {
-      visible = p.visibility.PageVisibleToRun(page, runs.seq[e], runs.last[e]);
+      // Visibility::PageVisibleToRun, spelled out with the run's last token as an int: through the
+      // member function (an int64 comparison) the sm90 kernel measured 5–8% slower over INT4/INT8
+      // pages in the same run, with identical outputs (bench/RESULTS.md, session 5).
+      visible = page.seq_id == runs.seq[e] && (!p.visibility.causal || page.token_begin <= runs.last[e]);
     }
     if (visible) mine |= 1u << i, ++count;
   }

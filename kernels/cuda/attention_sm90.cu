@@ -3,8 +3,7 @@
 // A CTA of four warp groups takes one tile of kTileQueries = 128 query rows of one head:
 //   warp groups 0 and 1, the producers (56 registers each after setmaxnreg): bulk-copy the raw bytes
 //     of the visible pages into a ring of kRawStages stages and decode each page's K and V into a
-//     ring of kStages bf16 tiles laid out as wgmma reads them (attention_sm90_producer.cuh, through the
-//     page codecs);
+//     ring of kStages bf16 tiles laid out as wgmma reads them (attention_sm90_pages.cuh);
 //   warp groups 2 and 3, the consumers (200 registers), 64 query rows each: S = Q·Kᵀ (wgmma, Q and K
 //     from shared memory), logits from S and the key table, masks and the online softmax in
 //     registers, O += P·V (wgmma, P from registers, V from shared memory), then the epilogue of
@@ -25,7 +24,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/attention_device.cuh"
-#include "kernels/cuda/attention_sm90_producer.cuh"
+#include "kernels/cuda/attention_sm90_pages.cuh"
 #include "kernels/cuda/attention_sm90_ptx.cuh"
 #include "kernels/cuda/attention_sm90_tile.h"
 #include "kernels/cuda/cuda_status.h"
@@ -38,6 +37,7 @@ using namespace sm90;
 template <int kDim, int kStages>
 __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) AttentionSm90Kernel(const AttentionParams p) {
   using T = Sm90Tile<kDim, kStages>;
+  static_assert(T::kProducerThreads == kProducerThreads, "DecodePage's thread layout");
   constexpr int kUnitsPerRow = kDim / 8;  // 16-byte chunks per bf16 row
   constexpr int kONTiles = kDim / 8;      // 8-channel column groups of O
   extern __shared__ uint8_t smem_raw[];
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
           const int s = i % T::kStages;
           if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);  // consumers are done with page i − kStages
           const PageDesc page = raw_desc[st];
-          DecodePage<kDim, T::kProducerThreads>(page, raw + st * stage_bytes, p.max_page_bytes,
+          DecodePage<kDim>(page, raw + st * stage_bytes, p.max_page_bytes,
                            smem + T::kKOffset + s * T::kTileBytes, smem + T::kVOffset + s * T::kTileBytes,
                            reinterpret_cast<float2*>(key_table[s]), scale_log2, exponent, tid);
           if (tid == 0) tile_desc[s] = page;

@@ -3,11 +3,10 @@
 //
 //   DevicePageCodec<F>::StoreRow      a warp's rotated row (32 lanes × kPerLane values) → codes + meta
 //                                     (the row epilogue; the same codes as PageCodec<F>::EncodeRow)
-//   DevicePageCodec<F>::Load/Convert  8 channels of one row of a raw page → 8 bf16 in one uint4, as
+//   LoadUnit<F> / ConvertUnit<F>      8 channels of one row of a raw page → 8 bf16 in one uint4, as
 //                                     PageCodec<F>::DecodeRow then bf16 rounding (split so that a
 //                                     caller issues several loads before the first conversion)
-//   DevicePageCodec<F>::KeyFactors    how the sm90 kernel's K tile holds a key (its key table entry)
-//   DecodeUnit                        Load + Convert over a runtime format (DispatchFormat)
+//   DecodeUnit                        both over a runtime format (DispatchFormat)
 // A format without a DevicePageCodec does not compile where it is dispatched; per-format code
 // outside the codecs is an `if constexpr` chain closed by static_assert(kUnhandledFormat<F>).
 #pragma once
@@ -74,90 +73,7 @@ struct DevicePageCodec<PageFormat::kInt4> {
     if (lane == 0) *reinterpret_cast<uint32_t*>(meta) = scale_bits | (static_cast<uint32_t>(lo_bits) << 16);
   }
 
-  struct Raw {
-    uint32_t codes;  // 8 nibbles, channel 2k in the low nibble of byte k
-    uint32_t meta;   // scale | lo << 16 (fp16 bits)
-  };
-  template <int kDim>
-  __device__ __forceinline__ static Raw Load(const uint8_t* raw, int r, int c8) {
-    return {*reinterpret_cast<const uint32_t*>(raw + r * (kDim / 2) + c8 * 4),
-            *reinterpret_cast<const uint32_t*>(raw + MetaOffset(kFormat, kDim) + r * 4)};
-  }
-  // fp32 lo + code·scale with one rounding (fmaf), then bf16.
-  __device__ __forceinline__ static uint4 Convert(const Raw& u) {
-    const float scale = HalfBits(u.meta & 0xffffu), lo = HalfBits(u.meta >> 16);
-    const uint32_t even = u.codes & 0x0f0f0f0fu, odd = (u.codes >> 4) & 0x0f0f0f0fu;  // byte k: channel 2k / 2k+1
-    float v[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {  // bytes (code, 0, 0, 0x4b): 2^23 + code
-      v[2 * k] = fmaf(__uint_as_float(__byte_perm(even, kExponent23, 0x7540 + k)) - 8388608.0f, scale, lo);
-      v[2 * k + 1] = fmaf(__uint_as_float(__byte_perm(odd, kExponent23, 0x7540 + k)) - 8388608.0f, scale, lo);
-    }
-    return make_uint4(PackBf16(v[0], v[1]), PackBf16(v[2], v[3]), PackBf16(v[4], v[5]), PackBf16(v[6], v[7]));
-  }
-
-  // The sm90 kernel keeps INT4 K as 128 + code in bf16 (exact) and folds each key's scale and lo into
-  // its key table: k̂·q = scale·(S' − 128·Σq) + lo·Σq, S' the product with the tile as held (see
-  // attention_sm90_producer.cuh). Returns (a_j, b_j) for logit·c = a_j·S' + b_j·Σq, c = scale_log2.
-  static constexpr bool kKeyTileHoldsCodes = true;
-  template <int kDim>
-  __device__ __forceinline__ static float2 KeyFactors(const uint8_t* page, int slot, float scale_log2) {
-    const uint32_t meta = *reinterpret_cast<const uint32_t*>(page + MetaOffset(kFormat, kDim) + slot * 4);
-    const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
-    return make_float2(scale * scale_log2, fmaf(-128.0f, scale, lo) * scale_log2);
-  }
 };
-
-// INT4 decode in bf16x2 arithmetic (the sm90 kernel's V tiles). (0x4300 | code) is the bf16 of
-// 128 + code, so one byte permute and one mask make a channel pair and an exact subtraction gives the
-// codes. lo is split into a bf16 high part and a bf16 rest (exact to 2^-17), scale is rounded to bf16:
-// code·scale + lo_high rounds once near the value and adding lo_rest rounds again. Against format.h's
-// exact decode (bench/int4_v_decode_error.py, in quantization steps, RMS): 0.019 on centred rows (0.009
-// for the fp32 decode rounded to bf16, 0.012 with scale split too, at one more instruction per channel
-// pair; the quantization's own error is 0.25); on uncentred rows (|lo| ≫ the step, no smoothing) the
-// bf16 output rounding dominates (0.44 either way vs 0.32), while an unsplit lo would add |lo|·2^-9
-// (run 23: the untransformed INT4 case's rel L2 vs the CPU went from under 0.015 to 0.024). Only V
-// takes this path: an error in V reaches the output linearly, averaged over keys, while K's error is a
-// logit error that softmax amplifies — rounding a K row's scale to bf16 took cuda_layer_test's INT4
-// case from rel L2 0.004 to 0.017 — so K stays exact (codes and the fp32 key table).
-struct Int4RowBf16 {
-  __nv_bfloat162 scale, lo_high, lo_rest;
-};
-__device__ __forceinline__ Int4RowBf16 Int4RowOf(uint32_t meta) {
-  const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
-  const uint32_t scale2 = PackBf16(scale, scale), lo_high = PackBf16(lo, lo);
-  const float rest = lo - __uint_as_float(lo_high << 16);
-  const uint32_t lo_rest = PackBf16(rest, rest);
-  Int4RowBf16 row;
-  row.scale = *reinterpret_cast<const __nv_bfloat162*>(&scale2);
-  row.lo_high = *reinterpret_cast<const __nv_bfloat162*>(&lo_high);
-  row.lo_rest = *reinterpret_cast<const __nv_bfloat162*>(&lo_rest);
-  return row;
-}
-// 8 INT4 codes → the bf16 of 128 + code, channel pairs (2j, 2j + 1) in word j.
-// `exponent` is 0x43004300 read from shared memory (kBf16Exponent), so that mask-and-or is one LOP3
-// (it takes one immediate; a constant ptxas can see becomes a second LOP3).
-inline constexpr uint32_t kBf16Exponent = 0x43004300u;
-__device__ __forceinline__ uint4 Int4CodesPlus128(uint32_t codes, uint32_t exponent) {
-  const uint32_t high = codes >> 4;  // byte j of `high` has channel 2j + 1 in its low nibble
-  uint32_t out[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) out[j] = (__byte_perm(codes, high, 0x4400 + 0x1111 * j) & 0x000f000fu) | exponent;
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-__device__ __forceinline__ uint4 Int4Bf16Unit(uint32_t codes, const Int4RowBf16& row, uint32_t exponent) {
-  const uint4 plus128 = Int4CodesPlus128(codes, exponent);
-  const uint32_t pairs[4] = {plus128.x, plus128.y, plus128.z, plus128.w};
-  const __nv_bfloat162 bias = __floats2bfloat162_rn(128.0f, 128.0f);
-  uint32_t out[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const __nv_bfloat162 code = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&pairs[j]), bias);
-    const __nv_bfloat162 v = __hadd2(__hfma2(code, row.scale, row.lo_high), row.lo_rest);
-    out[j] = *reinterpret_cast<const uint32_t*>(&v);
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
 
 // ── INT8 ────────────────────────────────────────────────────────────────────────────────────────
 template <>
@@ -189,34 +105,6 @@ struct DevicePageCodec<PageFormat::kInt8> {
     if (lane == 0) *reinterpret_cast<uint16_t*>(meta) = scale_bits;
   }
 
-  struct Raw {
-    uint32_t lo, hi;  // 8 codes, channel k in byte k of lo (k < 4) or hi
-    uint32_t meta;    // scale (fp16 bits)
-  };
-  template <int kDim>
-  __device__ __forceinline__ static Raw Load(const uint8_t* raw, int r, int c8) {
-    const uint2 codes = *reinterpret_cast<const uint2*>(raw + r * kDim + c8 * 8);
-    return {codes.x, codes.y, *reinterpret_cast<const uint16_t*>(raw + MetaOffset(kFormat, kDim) + r * 2)};
-  }
-  // fp32 code·scale, then bf16.
-  __device__ __forceinline__ static uint4 Convert(const Raw& u) {
-    const float scale = HalfBits(u.meta);
-    const uint32_t x = u.lo ^ 0x80808080u, y = u.hi ^ 0x80808080u;  // each byte: code + 128
-    float v[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      v[k] = (__uint_as_float(__byte_perm(x, kExponent23, 0x7540 + k)) - 8388736.0f) * scale;  // 2^23 + 128
-      v[4 + k] = (__uint_as_float(__byte_perm(y, kExponent23, 0x7540 + k)) - 8388736.0f) * scale;
-    }
-    return make_uint4(PackBf16(v[0], v[1]), PackBf16(v[2], v[3]), PackBf16(v[4], v[5]), PackBf16(v[6], v[7]));
-  }
-
-  // The K tile holds k̂ itself (bf16): a_j = c, b_j = 0.
-  static constexpr bool kKeyTileHoldsCodes = false;
-  template <int kDim>
-  __device__ __forceinline__ static float2 KeyFactors(const uint8_t*, int, float scale_log2) {
-    return make_float2(scale_log2, 0.0f);
-  }
 };
 
 // ── BF16 ────────────────────────────────────────────────────────────────────────────────────────
@@ -230,33 +118,79 @@ struct DevicePageCodec<PageFormat::kBf16> {
     StoreBf16(reinterpret_cast<uint16_t*>(codes) + kPerLane * lane, x);
   }
 
-  struct Raw {
-    uint4 bits;  // the 8 values
-  };
-  template <int kDim>
-  __device__ __forceinline__ static Raw Load(const uint8_t* raw, int r, int c8) {
-    return {*reinterpret_cast<const uint4*>(raw + r * kDim * 2 + c8 * 16)};
-  }
-  __device__ __forceinline__ static uint4 Convert(const Raw& u) { return u.bits; }
-
-  static constexpr bool kKeyTileHoldsCodes = false;
-  template <int kDim>
-  __device__ __forceinline__ static float2 KeyFactors(const uint8_t*, int, float scale_log2) {
-    return make_float2(scale_log2, 0.0f);
-  }
 };
+
+// ── Decode: 8 channels of one row ───────────────────────────────────────────────────────────────
+// Channels c8·8 … c8·8 + 7 of row r of a raw page (shared memory) in format F: LoadUnit reads the
+// bytes, ConvertUnit makes 8 bf16 of them exactly as PageCodec<F>::DecodeRow then bf16 rounding (fp32:
+// lo + code·scale with one rounding, or code·scale). Split so that a caller can issue several units'
+// loads before their stores.
+template <PageFormat F>
+struct RawUnit {
+  uint4 bits;  // INT4: x = codes (8 nibbles), y = meta (scale | lo << 16); INT8: x, y = codes, z = scale; BF16: values
+};
+
+template <PageFormat F, int kDim>
+__device__ __forceinline__ RawUnit<F> LoadUnit(const uint8_t* raw, int r, int c8) {
+  RawUnit<F> u;
+  if constexpr (F == PageFormat::kInt4) {
+    u.bits.x = *reinterpret_cast<const uint32_t*>(raw + r * (kDim / 2) + c8 * 4);
+    u.bits.y = *reinterpret_cast<const uint32_t*>(raw + MetaOffset(PageFormat::kInt4, kDim) + r * 4);
+  } else if constexpr (F == PageFormat::kInt8) {
+    const uint2 codes = *reinterpret_cast<const uint2*>(raw + r * kDim + c8 * 8);
+    u.bits.x = codes.x, u.bits.y = codes.y;
+    u.bits.z = *reinterpret_cast<const uint16_t*>(raw + MetaOffset(PageFormat::kInt8, kDim) + r * 2);
+  } else if constexpr (F == PageFormat::kBf16) {
+    u.bits = *reinterpret_cast<const uint4*>(raw + r * kDim * 2 + c8 * 16);
+  } else {
+    static_assert(kUnhandledFormat<F>, "LoadUnit has no case for this format");
+  }
+  return u;
+}
+
+template <PageFormat F>
+__device__ __forceinline__ uint4 ConvertUnit(const RawUnit<F>& u) {
+  if constexpr (F == PageFormat::kBf16) {
+    return u.bits;
+  } else {
+    float v[8];
+    if constexpr (F == PageFormat::kInt4) {
+      const float scale = HalfBits(u.bits.y & 0xffffu), lo = HalfBits(u.bits.y >> 16);
+      const uint32_t even = u.bits.x & 0x0f0f0f0fu, odd = (u.bits.x >> 4) & 0x0f0f0f0fu;  // byte k: channel 2k / 2k+1
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        // bytes (code, 0, 0, 0x4b): 2^23 + code
+        v[2 * k] = fmaf(__uint_as_float(__byte_perm(even, kExponent23, 0x7540 + k)) - 8388608.0f, scale, lo);
+        v[2 * k + 1] = fmaf(__uint_as_float(__byte_perm(odd, kExponent23, 0x7540 + k)) - 8388608.0f, scale, lo);
+      }
+    } else if constexpr (F == PageFormat::kInt8) {
+      const float scale = HalfBits(u.bits.z);
+      const uint32_t x = u.bits.x ^ 0x80808080u, y = u.bits.y ^ 0x80808080u;  // each byte: code + 128
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[k] = (__uint_as_float(__byte_perm(x, kExponent23, 0x7540 + k)) - 8388736.0f) * scale;  // 2^23 + 128
+        v[4 + k] = (__uint_as_float(__byte_perm(y, kExponent23, 0x7540 + k)) - 8388736.0f) * scale;
+      }
+    } else {
+      static_assert(kUnhandledFormat<F>, "ConvertUnit has no case for this format");
+    }
+    return make_uint4(PackBf16(v[0], v[1]), PackBf16(v[2], v[3]), PackBf16(v[4], v[5]), PackBf16(v[6], v[7]));
+  }
+}
+
+// One unit, zeros for rows at or past n_valid.
+template <PageFormat F, int kDim>
+__device__ __forceinline__ uint4 DecodeUnitOf(const uint8_t* raw, int n_valid, int r, int c8) {
+  if (r >= n_valid) return make_uint4(0, 0, 0, 0);
+  return ConvertUnit<F>(LoadUnit<F, kDim>(raw, r, c8));
+}
 
 // ── Over a runtime format ───────────────────────────────────────────────────────────────────────
 
-// Channels c8·8 … c8·8 + 7 of row r of a raw page in `format` as 8 bf16; zeros for rows at or past
-// n_valid.
+// DecodeUnitOf for a page's runtime format.
 template <int kDim>
 __device__ __forceinline__ uint4 DecodeUnit(const uint8_t* raw, PageFormat format, int n_valid, int r, int c8) {
-  return DispatchFormat(format, [&](auto tag) {
-    using Codec = DevicePageCodec<decltype(tag)::kFormat>;
-    if (r >= n_valid) return make_uint4(0, 0, 0, 0);
-    return Codec::Convert(Codec::template Load<kDim>(raw, r, c8));
-  });
+  return DispatchFormat(format, [&](auto tag) { return DecodeUnitOf<decltype(tag)::kFormat, kDim>(raw, n_valid, r, c8); });
 }
 
 // A warp's row into slot `slot` of a page in `format`.

@@ -1,0 +1,256 @@
+// The producer side of the sm90 attention kernel (attention_sm90.cu): who decodes which part of a tile,
+// the INT4 decode in bf16x2 arithmetic, the decode of a raw page into the swizzled bf16 K and V tiles
+// that wgmma reads and the page's key table, and where a page's bytes are and their bulk copies (TMA on
+// mbarriers) into a raw stage. INT8 and BF16 rows are read through the codecs (page_codec.cuh).
+// Internal to kernels/cuda: include only from attention_sm90.cu.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/attention_device.cuh"
+#include "kernels/cuda/attention_sm90_ptx.cuh"
+#include "kernels/cuda/page_codec.cuh"
+
+namespace kvpack::cuda::sm90 {
+
+// ── The producer's decode ───────────────────────────────────────────────────────────────────────
+// kThreads producer threads share a tile: thread ptid owns, in every 64-row tile, rows ptid/8 +
+// (kThreads/8)·k and, in each of the kDim/64 column blocks, the 16-byte chunk ptid mod 8. Rows r and
+// r + kThreads/8 share r mod 8, so every swizzled address is a per-thread base plus compile-time
+// steps; the two chunks of a row at d = 128 share its metadata; a quarter warp stores one row's eight
+// chunks of a block (conflict-free). INT4 and INT8 pages: all kProducerThreads threads decode both
+// tiles (with one group on K and one on V, the V group, whose INT4 decode does the arithmetic,
+// finished last on every page). BF16 pages, a copy: one group per tile (two-stage kernel at
+// d = 128: 358 TFLOP/s against 347 with both groups on both tiles, bench/RESULTS.md runs 17–18).
+inline constexpr int kProducerThreads = 256;
+template <int kDimT, int kThreads = kProducerThreads>
+struct ProducerUnits {
+  static constexpr int kDim = kDimT;
+  static constexpr int kBlocks = kDim / 64;                 // 64-channel column blocks of a tile
+  static constexpr int kRowsPerStep = kThreads / 8;         // rows covered by one step of all threads
+  static constexpr int kRowSteps = kPageTokens / kRowsPerStep;  // rows per thread per tile
+  static constexpr int kRowStep = kRowsPerStep * 128;       // tile bytes between rows r and r + step
+  static constexpr int kBlockStep = kPageTokens * 128;
+  static_assert(kRowsPerStep % 8 == 0 && kPageTokens % kRowsPerStep == 0, "rows r, r + step share r mod 8");
+  int row0, c8, tile_offset;
+  __device__ explicit ProducerUnits(int ptid)
+      : row0(ptid >> 3), c8(ptid & 7), tile_offset(SwizzledOffset<kPageTokens>(ptid >> 3, ptid & 7)) {}
+  __device__ int Row(int k) const { return row0 + kRowsPerStep * k; }
+  __device__ int TileOffset(int k, int b) const { return tile_offset + k * kRowStep + b * kBlockStep; }
+};
+
+// 8 INT4 V codes (one 32-bit word, channel 2j in the low nibble of byte j) → 8 bf16 lo + code·scale,
+// in bf16x2 arithmetic: (0x4300 | code) is the bf16 of 128 + code, so one byte permute and one mask
+// make a channel pair and an exact subtraction gives the codes. lo is split into a bf16 high part and
+// a bf16 rest (exact to 2^-17), scale is rounded to bf16: code·scale + lo_high rounds once near the
+// value and adding lo_rest rounds again. Against format.h's exact decode (bench/int4_v_decode_error.py,
+// in quantization steps, RMS): 0.019 on centred rows (0.009 for the fp32 decode rounded to bf16,
+// 0.012 with scale split too, at one more instruction per channel pair; the quantization's own error
+// is 0.25); on uncentred rows (|lo| ≫ the step, no smoothing) the bf16 output rounding dominates
+// (0.44 either way vs 0.32), while an unsplit lo would add |lo|·2^-9 (run 23: the untransformed INT4
+// case's rel L2 vs the CPU went from under 0.015 to 0.024). Only V pages take this path: an error in
+// V reaches the output linearly, averaged over keys, while K's error is a logit error that softmax
+// amplifies — rounding a K row's scale to bf16 took cuda_layer_test's INT4 case from rel L2 0.004 to
+// 0.017 — so K pages keep the exact fp32 decode.
+struct Int4RowBf16 {
+  __nv_bfloat162 scale, lo_high, lo_rest;
+};
+__device__ __forceinline__ Int4RowBf16 Int4RowOf(uint32_t meta) {
+  const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
+  const uint32_t scale2 = PackBf16(scale, scale), lo_high = PackBf16(lo, lo);
+  const float rest = lo - __uint_as_float(lo_high << 16);
+  const uint32_t lo_rest = PackBf16(rest, rest);
+  Int4RowBf16 row;
+  row.scale = *reinterpret_cast<const __nv_bfloat162*>(&scale2);
+  row.lo_high = *reinterpret_cast<const __nv_bfloat162*>(&lo_high);
+  row.lo_rest = *reinterpret_cast<const __nv_bfloat162*>(&lo_rest);
+  return row;
+}
+// 8 INT4 codes → the bf16 of 128 + code, channel pairs (2j, 2j + 1) in word j.
+// `exponent` is 0x43004300 read from shared memory (kBf16Exponent), so that mask-and-or is one LOP3
+// (it takes one immediate; a constant ptxas can see becomes a second LOP3).
+inline constexpr uint32_t kBf16Exponent = 0x43004300u;
+__device__ __forceinline__ uint4 Int4CodesPlus128(uint32_t codes, uint32_t exponent) {
+  const uint32_t high = codes >> 4;  // byte j of `high` has channel 2j + 1 in its low nibble
+  uint32_t out[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) out[j] = (__byte_perm(codes, high, 0x4400 + 0x1111 * j) & 0x000f000fu) | exponent;
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+__device__ __forceinline__ uint4 Int4Bf16Unit(uint32_t codes, const Int4RowBf16& row, uint32_t exponent) {
+  const uint4 plus128 = Int4CodesPlus128(codes, exponent);
+  const uint32_t pairs[4] = {plus128.x, plus128.y, plus128.z, plus128.w};
+  const __nv_bfloat162 bias = __floats2bfloat162_rn(128.0f, 128.0f);
+  uint32_t out[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat162 code = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&pairs[j]), bias);
+    const __nv_bfloat162 v = __hadd2(__hfma2(code, row.scale, row.lo_high), row.lo_rest);
+    out[j] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// A thread's INT4 codes of one tile (rows Row(k), chunk c8 of each block), loaded before any store.
+template <int kDim>
+struct Int4Codes {
+  uint32_t w[ProducerUnits<kDim>::kRowSteps][ProducerUnits<kDim>::kBlocks];
+};
+template <int kDim>
+__device__ __forceinline__ Int4Codes<kDim> LoadInt4Codes(const uint8_t* src, const ProducerUnits<kDim>& u) {
+  using U = ProducerUnits<kDim>;
+  Int4Codes<kDim> c;
+#pragma unroll
+  for (int k = 0; k < U::kRowSteps; ++k) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) c.w[k][b] = *reinterpret_cast<const uint32_t*>(src + u.Row(k) * (kDim / 2) + (b * 8 + u.c8) * 4);
+  }
+  return c;
+}
+
+// An INT4 page pair: K → the bf16 of 128 + code (its rows' scale and lo go to the key table), V → lo +
+// code·scale in bf16x2 arithmetic. Every load (K codes, V codes, V metadata) goes out before the first
+// store, so a thread waits for shared memory once per page.
+template <int kDim>
+__device__ __forceinline__ void DecodeInt4Tiles(const uint8_t* k_src, const uint8_t* v_src, uint8_t* k_tile,
+                                                uint8_t* v_tile, const ProducerUnits<kDim>& u, uint32_t exponent) {
+  using U = ProducerUnits<kDim>;
+  const Int4Codes<kDim> k = LoadInt4Codes(k_src, u), v = LoadInt4Codes(v_src, u);
+  uint32_t v_meta[U::kRowSteps];
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+    v_meta[r] = *reinterpret_cast<const uint32_t*>(v_src + MetaOffset(PageFormat::kInt4, kDim) + u.Row(r) * 4);
+  }
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(k_tile + u.TileOffset(r, b)) = Int4CodesPlus128(k.w[r][b], exponent);
+  }
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+    const Int4RowBf16 row = Int4RowOf(v_meta[r]);
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(v_tile + u.TileOffset(r, b)) = Int4Bf16Unit(v.w[r][b], row, exponent);
+  }
+}
+
+// INT8 page pairs: the codec's exact fp32 decode (page_codec.cuh LoadUnit / ConvertUnit), K's and V's
+// loads before the stores.
+template <PageFormat F, int kDim>
+__device__ __forceinline__ void DecodeTiles(const uint8_t* k_src, const uint8_t* v_src, uint8_t* k_tile, uint8_t* v_tile,
+                                            const ProducerUnits<kDim>& u) {
+  using U = ProducerUnits<kDim>;
+  RawUnit<F> k[U::kRowSteps][U::kBlocks], v[U::kRowSteps][U::kBlocks];
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) {
+      k[r][b] = LoadUnit<F, kDim>(k_src, u.Row(r), b * 8 + u.c8);
+      v[r][b] = LoadUnit<F, kDim>(v_src, u.Row(r), b * 8 + u.c8);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) {
+      *reinterpret_cast<uint4*>(k_tile + u.TileOffset(r, b)) = ConvertUnit<F>(k[r][b]);
+      *reinterpret_cast<uint4*>(v_tile + u.TileOffset(r, b)) = ConvertUnit<F>(v[r][b]);
+    }
+  }
+}
+
+// One tile of a BF16 page, by one group's units.
+template <class U>
+__device__ __forceinline__ void CopyBf16Tile(const uint8_t* src, uint8_t* tile, const U& u) {
+  RawUnit<PageFormat::kBf16> raw[U::kRowSteps][U::kBlocks];
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) raw[r][b] = LoadUnit<PageFormat::kBf16, U::kDim>(src, u.Row(r), b * 8 + u.c8);
+  }
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(tile + u.TileOffset(r, b)) = ConvertUnit<PageFormat::kBf16>(raw[r][b]);
+  }
+}
+
+// Zeroes a thread's rows at or past n_valid of a tile.
+template <class U>
+__device__ __forceinline__ void ZeroRowsPast(int n_valid, uint8_t* tile, const U& u) {
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+    if (u.Row(r) < n_valid) continue;
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(tile + u.TileOffset(r, b)) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// One page: raw K and V (K at `stage`, V at stage + v_offset) → the swizzled bf16 K and V tiles, by
+// the kProducerThreads producer threads (ptid). Rows at or past n_valid are zeroed afterwards (their
+// bytes may decode to anything finite or not).
+//
+// The key table: logit(q_i, key j)·log2(e)·softmax_scale = a_j·S'_ij + b_j·Σq_i, where S' = Q·Kᵀ over the
+// K tile as stored. INT4 K tiles hold 128 + code, so with k̂ = lo + code·scale (exact, no rounding):
+// a_j = scale_j·c, b_j = (lo_j − 128·scale_j)·c, c = log2(e)·softmax_scale. Other tiles hold k̂ itself:
+// a_j = c, b_j = 0. Threads 0…63 write one key each.
+template <int kDim>
+__device__ __forceinline__ void DecodePage(const PageDesc& page, const uint8_t* stage, int v_offset, uint8_t* k_tile,
+                                           uint8_t* v_tile, float2* keys, float scale_log2, uint32_t exponent,
+                                           int ptid) {
+  // INT4 (K codes + key table, V in bf16x2), BF16 (a copy), INT8 (the codec's exact decode): a new
+  // format needs its branch here; DecodeTiles' chain and the codecs fail to compile without one.
+  static_assert(kNumPageFormats == 3, "the sm90 producer's DecodePage handles INT4, INT8 and BF16");
+  const PageFormat format = static_cast<PageFormat>(page.format);
+  const ProducerUnits<kDim> u(ptid);
+  if (ptid < kPageTokens) {
+    float2 key = make_float2(scale_log2, 0.0f);
+    if (format == PageFormat::kInt4) {
+      const uint32_t meta = *reinterpret_cast<const uint32_t*>(stage + MetaOffset(PageFormat::kInt4, kDim) + ptid * 4);
+      const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
+      key = make_float2(scale * scale_log2, fmaf(-128.0f, scale, lo) * scale_log2);
+    }
+    keys[ptid] = key;
+  }
+  if (format == PageFormat::kBf16) {
+    using Half = ProducerUnits<kDim, kProducerThreads / 2>;
+    const bool is_k = ptid < kProducerThreads / 2;
+    const Half half(ptid % (kProducerThreads / 2));
+    uint8_t* tile = is_k ? k_tile : v_tile;
+    CopyBf16Tile(is_k ? stage : stage + v_offset, tile, half);
+    if (page.n_valid < kPageTokens) ZeroRowsPast(page.n_valid, tile, half);
+    return;
+  }
+  if (format == PageFormat::kInt4) {
+    DecodeInt4Tiles<kDim>(stage, stage + v_offset, k_tile, v_tile, u, exponent);
+  } else {
+    DecodeTiles<PageFormat::kInt8, kDim>(stage, stage + v_offset, k_tile, v_tile, u);
+  }
+  if (page.n_valid < kPageTokens) ZeroRowsPast(page.n_valid, k_tile, u), ZeroRowsPast(page.n_valid, v_tile, u);
+}
+
+// Where one page's bytes are, read from global memory one page before its copy is issued so that the
+// reads' latency hides behind a decode.
+// Offsets, not pointers: an add right after the loads would wait for them there.
+struct PageSource {
+  PageDesc desc;
+  uint64_t k, v;  // byte offsets into the pool
+};
+__device__ __forceinline__ PageSource FetchPageSource(const AttentionParams& p, int head, int page) {
+  const int64_t slot = static_cast<int64_t>(head) * p.kv.n_pages + page;
+  return {p.kv.pages[page], p.kv.k_offsets[slot], p.kv.v_offsets[slot]};
+}
+// Starts the bulk copies of a page's K and V bytes into a raw stage (K at 0, V at v_offset), completing
+// on `bar`. One thread.
+template <int kDim>
+__device__ __forceinline__ void IssuePageCopy(const uint8_t* pool, const PageSource& src, uint8_t* stage, int v_offset,
+                                              uint32_t bar) {
+  const int bytes = PageBytes(static_cast<PageFormat>(src.desc.format), kDim);
+  MbarExpectBytes(bar, 2 * bytes);
+  BulkCopy(SmemAddr(stage), pool + src.k, bytes, bar);
+  BulkCopy(SmemAddr(stage + v_offset), pool + src.v, bytes, bar);
+}
+
+}  // namespace kvpack::cuda::sm90
