@@ -177,7 +177,10 @@ void PlaceTables(uint64_t page_bytes, uint64_t n_pages, const LayerShape& shape,
   layout->mu_v_offset = AlignUp(layout->mu_k_offset + stats_bytes, kTableAlign);
   layout->lambda_offset = AlignUp(layout->mu_v_offset + stats_bytes, kTableAlign);
   layout->lambda_v_offset = AlignUp(layout->lambda_offset + stats_bytes, kTableAlign);
-  layout->total_bytes = AlignUp(layout->lambda_v_offset + stats_bytes, kTableAlign);
+  layout->head_flags_offset = AlignUp(layout->lambda_v_offset + stats_bytes, kTableAlign);
+  layout->head_estimates_offset = AlignUp(layout->head_flags_offset + heads * sizeof(uint32_t), kTableAlign);
+  layout->total_bytes =
+      AlignUp(layout->head_estimates_offset + heads * kHeadEstimateFields * sizeof(float), kTableAlign);
 }
 
 }  // namespace
@@ -241,6 +244,8 @@ KvEntryView MakeKvView(const KvLayout& layout, const LayerShape& shape, const ui
   view.mu_v = reinterpret_cast<const float*>(block + layout.mu_v_offset);
   view.lambda = reinterpret_cast<const float*>(block + layout.lambda_offset);
   view.lambda_v = reinterpret_cast<const float*>(block + layout.lambda_v_offset);
+  view.head_flags = reinterpret_cast<const uint32_t*>(block + layout.head_flags_offset);
+  view.head_estimates = reinterpret_cast<const float*>(block + layout.head_estimates_offset);
   view.seed = transforms.seed;
   view.rotate = transforms.rotate;
   return view;
