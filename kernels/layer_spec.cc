@@ -207,7 +207,7 @@ KvLayout PlanKvLayout(const LayerShape& shape, const std::vector<TokenRange>& ra
   return layout;
 }
 
-uint64_t KvLayoutBytes(const LayerShape& shape, const std::vector<TokenRange>& ranges) {
+KvLayout PlanKvTables(const LayerShape& shape, const std::vector<TokenRange>& ranges) {
   uint64_t n_pages = 0, head_page_bytes = 0;
   for (const TokenRange& r : ranges) {
     const uint64_t pages = static_cast<uint64_t>((r.end - r.begin + kPageTokens - 1) / kPageTokens);
@@ -216,7 +216,11 @@ uint64_t KvLayoutBytes(const LayerShape& shape, const std::vector<TokenRange>& r
   }
   KvLayout layout;
   PlaceTables(2 * static_cast<uint64_t>(shape.n_heads) * head_page_bytes, n_pages, shape, &layout);
-  return layout.total_bytes;
+  return layout;
+}
+
+uint64_t KvLayoutBytes(const LayerShape& shape, const std::vector<TokenRange>& ranges) {
+  return PlanKvTables(shape, ranges).total_bytes;
 }
 
 void WriteKvTables(const KvLayout& layout, uint8_t* tables) {

@@ -216,6 +216,10 @@ KvLayout PlanKvLayout(const LayerShape& shape, const std::vector<TokenRange>& ra
 // planner's many questions (the full layout of an H3-sized entry holds 56 · 2 · 2380 offsets).
 uint64_t KvLayoutBytes(const LayerShape& shape, const std::vector<TokenRange>& ranges);
 
+// PlanKvLayout(shape, ranges) without the per-page vectors (pages, k_offsets, v_offsets empty):
+// the table offsets and total_bytes in O(ranges).
+KvLayout PlanKvTables(const LayerShape& shape, const std::vector<TokenRange>& ranges);
+
 // Copies the page table and offsets (not the stats) into a host image of the block's table part:
 // `tables` points at block offset layout.pages_offset and spans up to layout.mu_k_offset.
 void WriteKvTables(const KvLayout& layout, uint8_t* tables);

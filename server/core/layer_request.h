@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kernels/layer_spec.h"
@@ -18,6 +19,8 @@ struct RangeRequest {
   // estimated relative error (LayerRequest::estimate) is at most this, allowing only cheaper ones
   // below it for the VRAM budget. 0: `allowed` decides.
   double max_rel_error = 0.0;
+  std::string role;             // "text", "reference", "audio", "generated" or "" (policies)
+  bool precision_given = true;  // false: the caller named no formats and no budget (a policy may fill them)
 };
 
 // Estimated relative L2 error of the layer's output with every key in format f (index PageFormat),
@@ -55,6 +58,10 @@ struct LayerRequest {
   // The estimate error budgets are resolved against (from a client's sample through Plan, or the
   // result of an earlier run of the layer); RangePlan reports it for each range's format.
   ErrorEstimate estimate;
+  // Precision policy (server/core/policy.h): name ("" none), block index and diffusion timestep.
+  std::string policy;
+  int block_index = 0;
+  double timestep = 0.0;
 };
 
 // The allowed list an error budget resolves to (RangeRequest::max_rel_error): the cheapest format

@@ -77,6 +77,9 @@ struct LayerJob {
   // allocate is taking the pool memory (mapping physical chunks on the GPU), release giving it back.
   double queue_seconds = 0, project_seconds = 0, attend_seconds = 0, transfer_seconds = 0;
   double allocate_seconds = 0, turn_wait_seconds = 0, release_seconds = 0;
+  // The run's own error estimate, read from the entry's head_estimates table after ProjectKv
+  // (absent when the pre-pass made none: CUDA backend, caller's stats, transforms off, Attend).
+  ErrorEstimate estimate;
   std::function<void(absl::Status)> done;
 };
 

@@ -106,11 +106,17 @@ grpc::ServerUnaryReactor* KvpackService::Plan(grpc::CallbackServerContext* conte
   absl::StatusOr<LayerRequest> layer = LayerRequestFromProto(header, has_bias, norm_len);
   if (!layer.ok()) return FinishUnary(context, kMethod, layer.status());
   if (absl::Status s = CheckLimits(layer->shape, limits_); !s.ok()) return FinishUnary(context, kMethod, s);
+  if (request->has_sample()) {
+    if (absl::Status s = EstimateFromSampleProto(request->sample(), &*layer); !s.ok()) {
+      return FinishUnary(context, kMethod, s);
+    }
+  }
   absl::StatusOr<LayerPlan> plan = engine_->Plan(*tenant, *layer);
   if (!plan.ok()) return FinishUnary(context, kMethod, plan.status());
   response->set_fits(plan->fits);
   response->set_reason(plan->reason);
   PlanToProto(*plan, response->mutable_plan());
+  if (layer->estimate.present) EstimateToProto(layer->estimate, response->mutable_plan()->mutable_estimated_rel_error());
   return FinishUnary(context, kMethod, absl::OkStatus());
 }
 

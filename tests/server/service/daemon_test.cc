@@ -1,7 +1,10 @@
 // Every RPC of kvpack.v1 against the real kvpackd (CPU backend) on loopback.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <string>
+#include <vector>
 #include <thread>
 
 #include "tests/server/service/daemon_process.h"
@@ -78,6 +81,69 @@ TEST_F(DaemonTest, AttentionLayerMatchesTheLocalReferenceAndThePredictedPeak) {
   ASSERT_TRUE(c->ReleaseWeights(w->handle()).ok());
   EXPECT_EQ(c->ReleaseWeights(w->handle()).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(c->Status()->pool_bytes(), 0u);
+}
+
+TEST_F(DaemonTest, ErrorEstimatesReportedAndErrorBudgetsResolved) {
+  auto c = daemon_.Connect();
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(SmallSpec(21));
+  absl::StatusOr<v1::WeightsResponse> w = c->RegisterWeights(WeightsOf(L));
+  ASSERT_TRUE(w.ok()) << w.status();
+  v1::LayerHeader h = L.header;
+  h.set_weights_handle(w->handle());
+  std::vector<uint16_t> out;
+  absl::StatusOr<v1::LayerResult> r = c->AttentionLayer(h, DataOf(L, &out));
+  ASSERT_TRUE(r.ok()) << r.status();
+  // The run's estimate (its own pre-pass), per format and per range in the range's format.
+  const v1::ErrorEstimate& e = r->estimated_rel_error();
+  EXPECT_GT(e.int4(), e.int8());
+  EXPECT_GT(e.int8(), e.bf16());
+  EXPECT_GT(e.bf16(), 0.0);
+  EXPECT_EQ(r->plan().ranges(0).estimated_rel_error(), e.bf16());
+  EXPECT_EQ(r->plan().ranges(1).estimated_rel_error(), e.int8());
+  EXPECT_EQ(r->plan().ranges(2).estimated_rel_error(), e.int4());
+
+  // That estimate resolves error budgets: the cheapest format that meets each.
+  v1::PlanRequest req;
+  *req.mutable_header() = h;
+  *req.mutable_header()->mutable_estimated_rel_error() = e;
+  const double budgets[] = {e.bf16() * 0.5, e.int8() * 1.01, e.int4() * 1.01};
+  for (int i = 0; i < 3; ++i) {
+    req.mutable_header()->mutable_ranges(i)->clear_allowed_formats();
+    req.mutable_header()->mutable_ranges(i)->set_max_rel_error(budgets[i]);
+  }
+  absl::StatusOr<v1::PlanResponse> p = c->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->plan().ranges(0).format(), v1::FORMAT_BF16);  // nothing meets half BF16's estimate
+  EXPECT_EQ(p->plan().ranges(1).format(), v1::FORMAT_INT8);
+  EXPECT_EQ(p->plan().ranges(2).format(), v1::FORMAT_INT4);
+  EXPECT_EQ(p->plan().estimated_rel_error().int8(), e.int8());
+
+  // Or a sample sent with Plan: float32 [n, H, d] Q, K and V.
+  req.mutable_header()->clear_estimated_rel_error();
+  const int64_t n = 100, values = n * 2 * 64;
+  std::vector<float> q(values), k(values), v(values);
+  for (int64_t i = 0; i < values; ++i) {
+    q[i] = static_cast<float>(std::sin(0.37 * i) + 0.1 * (i % 7));
+    k[i] = static_cast<float>(std::cos(0.11 * i) + 0.5 * (i % 64 == 3));
+    v[i] = static_cast<float>(std::sin(0.23 * i + 1.0) + 0.2);
+  }
+  v1::QkvSample* sample = req.mutable_sample();
+  sample->set_n_tokens(n);
+  sample->set_q(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 4));
+  sample->set_k(std::string(reinterpret_cast<const char*>(k.data()), k.size() * 4));
+  sample->set_v(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+  p = c->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_GT(p->plan().estimated_rel_error().int4(), p->plan().estimated_rel_error().bf16());
+  EXPECT_GT(p->plan().ranges(2).estimated_rel_error(), 0.0);
+  sample->set_k("short");
+  EXPECT_EQ(c->Plan(req).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c->Plan(req).status().message().find("sample.k"), std::string::npos);
+  req.clear_sample();
+  p = c->Plan(req);  // a budget without any estimate
+  ASSERT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(p.status().message().find("max_rel_error needs an error estimate"), std::string::npos);
+  ASSERT_TRUE(c->ReleaseWeights(w->handle()).ok());
 }
 
 TEST_F(DaemonTest, KeepKvProjectAttendAndRelease) {
