@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/estimate.h"
+#include "server/core/policy.h"
 
 namespace kvpack::server {
 
@@ -72,6 +73,10 @@ absl::StatusOr<LayerRequest> LayerRequestFromProto(const v1::LayerHeader& header
     if (in.role().size() > kMaxRoleBytes) {
       return absl::InvalidArgumentError(
           absl::StrCat("header.ranges[", i, "].role: longer than ", kMaxRoleBytes, " bytes"));
+    }
+    if (!in.role().empty() && !IsRangeRole(in.role())) {
+      return absl::InvalidArgumentError(absl::StrCat("header.ranges[", i, "].role: '", in.role(),
+                                                     "' is not a role (text, reference, audio, generated)"));
     }
     range.role = in.role();
     range.precision_given = !range.allowed.empty() || range.max_rel_error != 0.0;

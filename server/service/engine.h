@@ -24,6 +24,7 @@
 #include "server/core/clock.h"
 #include "server/core/executor.h"
 #include "server/core/planner.h"
+#include "server/core/policy.h"
 #include "server/core/pool.h"
 #include "server/core/scheduler.h"
 #include "server/core/turns.h"
@@ -91,6 +92,7 @@ class Engine {
   Backend& backend() { return *backend_; }
   Pool& pool() { return *pool_; }
   Registry& registry() { return registry_; }
+  PolicyRegistry& policies() { return policies_; }
   Scheduler& scheduler() { return *scheduler_; }
   Metrics& metrics() { return *metrics_; }
   const Clock& clock() const { return *clock_; }
@@ -141,6 +143,7 @@ class Engine {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Pool> pool_;
   Registry registry_;
+  PolicyRegistry policies_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<TurnArbiter> turns_;  // null on backends whose calls run side by side (CPU)
   std::unique_ptr<Metrics> metrics_;

@@ -169,6 +169,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     job->resident = request->resident;
 
     const absl::Time plan_start = absl::Now();
+    if (absl::Status s = engine.policies().Resolve(&*request); !s.ok()) return s;
     absl::StatusOr<LayerPlan> plan = engine.Plan(tenant_, *request, job->kv_in.get());
     plan_seconds_ = absl::ToDoubleSeconds(absl::Now() - plan_start);
     if (!plan.ok()) return plan.status();

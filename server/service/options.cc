@@ -28,6 +28,7 @@ const char* DaemonUsage() {
   --tenant_quota=SIZE      pool bytes one tenant may hold (default 0: none)
   --max_inline_bytes=SIZE  inline tensor bytes per request (default 16Gi)
   --drain_seconds=S        on SIGTERM/SIGINT, time in-flight calls get to finish (default 30)
+  --policy_file=F          precision policies by block, timestep and range role (docs/policies.md)
 )";
 }
 
@@ -45,7 +46,7 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
     static const char* const kKnown[] = {"listen", "metrics_address", "vram_budget", "backend", "auth_token_file",
                                          "tls_cert_file", "tls_key_file", "threads", "cpu_threads", "max_queue",
                                          "max_chunk_tokens", "lease_seconds", "tenant_quota", "max_inline_bytes",
-                                         "drain_seconds"};
+                                         "drain_seconds", "policy_file"};
     if (std::find(std::begin(kKnown), std::end(kKnown), bare) == std::end(kKnown)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", bare, " (see --help)"));
     }
@@ -86,6 +87,7 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
     else if (name == "auth_token_file") o.auth_token_file = value;
     else if (name == "tls_cert_file") o.tls_cert_file = value;
     else if (name == "tls_key_file") o.tls_key_file = value;
+    else if (name == "policy_file") o.policy_file = value;
     else if (name == "threads") s = to_int(&o.threads, 1);
     else if (name == "cpu_threads") s = to_int(&o.cpu_threads, 0);
     else if (name == "max_queue") s = to_int(&o.max_queue, 1);

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/policy_parse.h"
 #include "server/service/convert.h"
 #include "server/service/status_map.h"
 
@@ -106,6 +107,7 @@ grpc::ServerUnaryReactor* KvpackService::Plan(grpc::CallbackServerContext* conte
   absl::StatusOr<LayerRequest> layer = LayerRequestFromProto(header, has_bias, norm_len);
   if (!layer.ok()) return FinishUnary(context, kMethod, layer.status());
   if (absl::Status s = CheckLimits(layer->shape, limits_); !s.ok()) return FinishUnary(context, kMethod, s);
+  if (absl::Status s = engine_->policies().Resolve(&*layer); !s.ok()) return FinishUnary(context, kMethod, s);
   if (request->has_sample()) {
     if (absl::Status s = EstimateFromSampleProto(request->sample(), &*layer); !s.ok()) {
       return FinishUnary(context, kMethod, s);
@@ -118,6 +120,20 @@ grpc::ServerUnaryReactor* KvpackService::Plan(grpc::CallbackServerContext* conte
   PlanToProto(*plan, response->mutable_plan());
   if (layer->estimate.present) EstimateToProto(layer->estimate, response->mutable_plan()->mutable_estimated_rel_error());
   return FinishUnary(context, kMethod, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* KvpackService::RegisterPolicies(grpc::CallbackServerContext* context,
+                                                          const v1::RegisterPoliciesRequest* request,
+                                                          v1::RegisterPoliciesResponse* response) {
+  constexpr char kMethod[] = "RegisterPolicies";
+  absl::StatusOr<std::string> tenant = Admit(*context);
+  if (!tenant.ok()) return FinishUnary(context, kMethod, tenant.status());
+  absl::StatusOr<std::vector<Policy>> policies = ParsePolicies(request->text());
+  if (!policies.ok()) {
+    return FinishUnary(context, kMethod, absl::InvalidArgumentError(absl::StrCat("text: ", policies.status().message())));
+  }
+  for (const Policy& p : *policies) response->add_names(p.name);
+  return FinishUnary(context, kMethod, engine_->policies().Add(std::move(*policies)));
 }
 
 grpc::ServerUnaryReactor* KvpackService::Status(grpc::CallbackServerContext* context, const v1::StatusRequest*,

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 #include <thread>
@@ -144,6 +145,73 @@ TEST_F(DaemonTest, ErrorEstimatesReportedAndErrorBudgetsResolved) {
   ASSERT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(p.status().message().find("max_rel_error needs an error estimate"), std::string::npos);
   ASSERT_TRUE(c->ReleaseWeights(w->handle()).ok());
+}
+
+TEST(DaemonPolicies, FromTheFileAndTheApiResolveByBlockTimestepAndRole) {
+  const std::string path = ::testing::TempDir() + "/kvpack_policies.yaml";
+  std::ofstream(path) << "policies:\n"
+                         "  - name: dit\n"
+                         "    rules:\n"
+                         "      - blocks: [0, 1]\n"
+                         "        formats: [bf16]\n"
+                         "      - roles: text\n"
+                         "        timesteps: [500, 1000]\n"
+                         "        formats: [int8, int4]\n"
+                         "      - formats: [int4]\n";
+  DaemonProcess daemon({"--vram_budget=256Mi", "--policy_file=" + path});
+  ASSERT_TRUE(daemon.ok());
+  auto c = daemon.Connect();
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(SmallSpec());
+  v1::PlanRequest req;
+  *req.mutable_header() = L.header;
+  req.set_has_bias(true);
+  req.mutable_header()->mutable_options()->mutable_qk_norm()->set_weight_len(64);
+  const char* roles[] = {"text", "generated", "text"};
+  for (int i = 0; i < 3; ++i) {
+    req.mutable_header()->mutable_ranges(i)->set_role(roles[i]);
+    if (i < 2) req.mutable_header()->mutable_ranges(i)->clear_allowed_formats();  // range 2 keeps its own
+  }
+  req.mutable_header()->set_policy("dit");
+  req.mutable_header()->set_block_index(5);
+  req.mutable_header()->set_timestep(700);
+  absl::StatusOr<v1::PlanResponse> p = c->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->plan().ranges(0).format(), v1::FORMAT_INT8);  // the text rule
+  EXPECT_EQ(p->plan().ranges(1).format(), v1::FORMAT_INT4);  // the catch-all
+  EXPECT_EQ(p->plan().ranges(2).format(), v1::FORMAT_INT4);  // its own list ([INT4])
+  req.mutable_header()->set_block_index(1);
+  p = c->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->plan().ranges(0).format(), v1::FORMAT_BF16);  // the block rule comes first
+  EXPECT_EQ(p->plan().ranges(1).format(), v1::FORMAT_BF16);
+
+  // Registered over the API, then used; a bad text names its line; unknown names are NOT_FOUND.
+  grpc::ClientContext ctx;
+  c->Prepare(&ctx);
+  v1::RegisterPoliciesRequest reg;
+  reg.set_text("policies:\n  - name: all-int8\n    rules:\n      - formats: int8\n");
+  v1::RegisterPoliciesResponse names;
+  ASSERT_TRUE(c->stub()->RegisterPolicies(&ctx, reg, &names).ok());
+  ASSERT_EQ(names.names_size(), 1);
+  req.mutable_header()->set_policy("all-int8");
+  p = c->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->plan().ranges(0).format(), v1::FORMAT_INT8);
+  grpc::ClientContext bad_ctx;
+  c->Prepare(&bad_ctx);
+  reg.set_text("policies:\n  - name: x\n    rules:\n      - formats: int9\n");
+  const grpc::Status bad = c->stub()->RegisterPolicies(&bad_ctx, reg, &names);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.error_message().find("line 4"), std::string::npos) << bad.error_message();
+  req.mutable_header()->set_policy("nope");
+  EXPECT_EQ(c->Plan(req).status().code(), absl::StatusCode::kNotFound);
+  req.mutable_header()->mutable_ranges(0)->set_role("video");
+  EXPECT_EQ(c->Plan(req).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // A bad file stops the daemon at start.
+  std::ofstream(path) << "policies:\n  - name: dit\n    rules:\n      - formats: [int4, fp3]\n";
+  DaemonProcess refused({"--policy_file=" + path});
+  EXPECT_FALSE(refused.ok());
 }
 
 TEST_F(DaemonTest, KeepKvProjectAttendAndRelease) {
