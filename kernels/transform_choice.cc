@@ -8,6 +8,13 @@
 namespace kvpack {
 namespace {
 
+// How much lower than the options' full set another set's estimate must be to replace it. The
+// estimate of 32 queries lands within 0.8–1.3× of the measured error (docs/quality.md); without a
+// margin the choice followed that noise on data where every transform helps (the 5-seed table of
+// docs/quality.md lost 2–6% of its gains), while on sink heads the chosen set is several times
+// better and clears it easily.
+constexpr double kChoiceMargin = 1.25;
+
 // One candidate set of the head's transforms (transform_choice.h).
 struct Candidate {
   bool smooth_k = false;
@@ -258,13 +265,16 @@ HeadChoice ChooseHeadTransforms(const HeadSample& sample, const TransformOptions
     }
   }
 
-  // The pair together, against the options' set and naive: the lowest estimate wins, naive first
-  // so that it is never beaten by an equal estimate.
+  // The options' set against naive, then the best pair against the one kept: naive first so that
+  // an equal estimate never displaces it; the pair must beat the options' set by kChoiceMargin.
   Candidate kept = naive;
   choice.chosen = choice.naive;
-  for (const Candidate& c : {fixed, best}) {
-    const ErrorSums e = est.Both(RowsOf(c, tables, d), nullptr);
-    if (e.query_rel < choice.chosen.query_rel) choice.chosen = e, kept = c;
+  const ErrorSums fixed_error = est.Both(RowsOf(fixed, tables, d), nullptr);
+  const bool fixed_kept = fixed_error.query_rel < choice.chosen.query_rel;
+  if (fixed_kept) choice.chosen = fixed_error, kept = fixed;
+  if (best.Flags() != fixed.Flags() && best.Flags() != naive.Flags()) {
+    const ErrorSums e = est.Both(RowsOf(best, tables, d), nullptr);
+    if (e.query_rel * (fixed_kept ? kChoiceMargin : 1.0) < choice.chosen.query_rel) choice.chosen = e, kept = best;
   }
   const CandidateRows rows = RowsOf(kept, tables, d);
   FillByFormat(est, rows, &choice);

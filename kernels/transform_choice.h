@@ -21,7 +21,8 @@
 // queries; candidates are ranked by the sum of per-query squared relative errors (ErrorSums). K
 // candidates are compared with exact V and V candidates with exact probabilities, then the best
 // pair and the options' full set are evaluated together and kept only if they rank below naive
-// (no μ, no λ), which is evaluated too: never worse than naive on the estimate. Every sum runs in a fixed order in double,
+// (no μ, no λ), which is evaluated too: never worse than naive on the estimate. The pair replaces
+// the full set only when its estimate is 1.25× lower (noise margin, transform_choice.cc). Every sum runs in a fixed order in double,
 // so the same sample gives the same choice bit for bit on any backend and thread count.
 //
 // Host-only, allocates O((keys + queries)·d + queries·keys) per call. Thread-safe (no shared state).
