@@ -131,7 +131,8 @@ WeightsData WeightsOf(const SyntheticLayer& L) {
   return w;
 }
 
-absl::StatusOr<std::vector<uint16_t>> ReferenceOutput(const SyntheticLayer& L, const v1::PlanResult& plan) {
+absl::StatusOr<std::vector<uint16_t>> ReferenceOutput(const SyntheticLayer& L, const v1::PlanResult& plan,
+                                                      bool choose_per_head) {
   const SyntheticSpec& spec = L.spec;
   LayerConfig config;
   config.shape = {spec.n_tokens, spec.hidden, spec.n_heads, spec.head_dim};
@@ -153,6 +154,7 @@ absl::StatusOr<std::vector<uint16_t>> ReferenceOutput(const SyntheticLayer& L, c
   config.qk_norm.weight_len = spec.qk_norm ? spec.head_dim : 0;
   config.attention.causal = spec.causal;
   config.has_bias = spec.bias;
+  config.transforms.choose_per_head = choose_per_head;
   config.projection_chunk = plan.projection_chunk();
   config.query_chunk = plan.query_chunk();
   if (Error e = cpu::Supported(config); !e.ok()) return absl::InvalidArgumentError(e.message());

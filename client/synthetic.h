@@ -54,7 +54,10 @@ SyntheticLayer MakeSyntheticLayer(const SyntheticSpec& spec);
 WeightsData WeightsOf(const SyntheticLayer& layer);
 
 // The layer run locally by the CPU reference with the formats and chunk sizes of `plan`.
-absl::StatusOr<std::vector<uint16_t>> ReferenceOutput(const SyntheticLayer& layer, const v1::PlanResult& plan);
+// choose_per_head as the daemon's backend does it (TransformOptions): the CUDA backend does not
+// choose per head yet, so its outputs compare against choose_per_head = false.
+absl::StatusOr<std::vector<uint16_t>> ReferenceOutput(const SyntheticLayer& layer, const v1::PlanResult& plan,
+                                                      bool choose_per_head = true);
 
 struct Comparison {
   double max_abs = 0;

@@ -1,4 +1,4 @@
-// kvpack packed K/V format, version 1.
+// kvpack packed K/V format, version 2 (docs/format.md).
 //
 // One definition for host and device code: the CPU reference, the CUDA kernels and the planner all
 // include this header. Nothing here allocates, throws or knows about the server.
@@ -13,6 +13,16 @@
 // each optional. q·k is preserved up to q·μ_k, which is the same for every key of a query row
 // (softmax-invariant); the output is o = λ_v ⊙ Rᵀ·(Σ p·v̂) + μ_v, exact because Σ p = 1 and the
 // attention sum is linear per channel. λ_v takes V's outlier channels out of every row's step.
+//
+// ── Per-head transforms (version 2) ───────────────────────────────────────────────────────────────
+// The transforms are chosen per head (kernels/transform_choice.h): a head may store K without μ_k
+// or λ, and V with μ_v, ½·μ_v or no μ_v and with or without λ_v. The choice lives only in the
+// head's rows of the four tables (μ row 0 = no smoothing, λ row 1 = no balancing), so the stored
+// forms above and every kernel are unchanged. The entry records it after the tables:
+//   head_flags      uint32[H]     HeadTransformFlag bits   bit 0 μ_k │ 1 μ_v │ 2 ½·μ_v │ 3 λ │ 4 λ_v │ 8 chosen
+//   head_estimates  float[H · 4]  estimated squared output error of the head's sample with every key
+//                                 in INT4 │ INT8 │ BF16, then the sample's squared output norm
+// (layer_spec.h KvLayout; version 1 entries end after λ_v).
 //
 // ── Pages ─────────────────────────────────────────────────────────────────────────────────────────
 // A page holds kPageTokens = 64 consecutive tokens of ONE head in ONE format. Every token range
@@ -75,7 +85,7 @@
 
 namespace kvpack {
 
-inline constexpr int kFormatVersion = 1;
+inline constexpr int kFormatVersion = 2;  // 2: per-head transform record (head_flags, head_estimates)
 inline constexpr int kPageTokens = 64;
 inline constexpr int kMinHeadDimCpu = 16;
 inline constexpr int kMaxHeadDimCpu = 256;

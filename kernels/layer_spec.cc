@@ -192,7 +192,10 @@ void PlaceTables(uint64_t page_bytes, uint64_t n_pages, const LayerShape& shape,
   layout->mu_v_offset = AlignUp(layout->mu_k_offset + stats_bytes, kTableAlign);
   layout->lambda_offset = AlignUp(layout->mu_v_offset + stats_bytes, kTableAlign);
   layout->lambda_v_offset = AlignUp(layout->lambda_offset + stats_bytes, kTableAlign);
-  layout->total_bytes = AlignUp(layout->lambda_v_offset + stats_bytes, kTableAlign);
+  layout->head_flags_offset = AlignUp(layout->lambda_v_offset + stats_bytes, kTableAlign);
+  layout->head_estimates_offset = AlignUp(layout->head_flags_offset + heads * sizeof(uint32_t), kTableAlign);
+  layout->total_bytes =
+      AlignUp(layout->head_estimates_offset + heads * kHeadEstimateFields * sizeof(float), kTableAlign);
 }
 
 }  // namespace
@@ -219,7 +222,7 @@ KvLayout PlanKvLayout(const LayerShape& shape, const std::vector<TokenRange>& ra
   return layout;
 }
 
-uint64_t KvLayoutBytes(const LayerShape& shape, const std::vector<TokenRange>& ranges) {
+KvLayout PlanKvTables(const LayerShape& shape, const std::vector<TokenRange>& ranges) {
   uint64_t n_pages = 0, head_page_bytes = 0;
   for (const TokenRange& r : ranges) {
     const uint64_t pages = static_cast<uint64_t>((r.end - r.begin + kPageTokens - 1) / kPageTokens);
@@ -228,7 +231,11 @@ uint64_t KvLayoutBytes(const LayerShape& shape, const std::vector<TokenRange>& r
   }
   KvLayout layout;
   PlaceTables(2 * static_cast<uint64_t>(shape.n_heads) * head_page_bytes, n_pages, shape, &layout);
-  return layout.total_bytes;
+  return layout;
+}
+
+uint64_t KvLayoutBytes(const LayerShape& shape, const std::vector<TokenRange>& ranges) {
+  return PlanKvTables(shape, ranges).total_bytes;
 }
 
 void WriteKvTables(const KvLayout& layout, uint8_t* tables) {
@@ -256,6 +263,8 @@ KvEntryView MakeKvView(const KvLayout& layout, const LayerShape& shape, const ui
   view.mu_v = reinterpret_cast<const float*>(block + layout.mu_v_offset);
   view.lambda = reinterpret_cast<const float*>(block + layout.lambda_offset);
   view.lambda_v = reinterpret_cast<const float*>(block + layout.lambda_v_offset);
+  view.head_flags = reinterpret_cast<const uint32_t*>(block + layout.head_flags_offset);
+  view.head_estimates = reinterpret_cast<const float*>(block + layout.head_estimates_offset);
   view.seed = transforms.seed;
   view.rotate = transforms.rotate;
   return view;

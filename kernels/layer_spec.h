@@ -69,6 +69,9 @@ struct TransformOptions {
   bool balance = true;                     // channel balancing of K (λ) and of V (λ_v) together
   uint64_t seed = 0x6b7670616b763031ull;  // rotation signs; stored with the entry
   int stats_sample_tokens = 1024;          // strided pre-pass sample for μ, λ and λ_v
+  // Each head keeps the subset of the transforms above that a small attention on its sample
+  // estimates best (transform_choice.h); off: every head uses the set above.
+  bool choose_per_head = true;
 };
 
 struct AttentionOptions {
@@ -154,6 +157,8 @@ struct KvEntryView {
   const float* mu_v = nullptr;         // [n_heads · head_dim]
   const float* lambda = nullptr;       // [n_heads · head_dim]  K balancing
   const float* lambda_v = nullptr;     // [n_heads · head_dim]  V balancing
+  const uint32_t* head_flags = nullptr; // [n_heads] HeadTransformFlag bits (transform_choice.h); kernels ignore it
+  const float* head_estimates = nullptr;  // [n_heads · kHeadEstimateFields] (KvLayout); kernels ignore it
   uint64_t seed = 0;
   bool rotate = true;
 };
@@ -181,8 +186,10 @@ struct LayerConfig {
 
 // Where a packed entry's pieces sit inside its one memory block (KvLayout::total_bytes long): all K
 // pages head-major (head 0 pages 0..P−1, head 1, …), then all V pages likewise, then the tables the
-// kernels read (PageDesc[P], k_offsets[H·P], v_offsets[H·P], μ_k, μ_v, λ, λ_v as float[H·d] each).
-// Pages sit at 128-byte aligned offsets; tables at 256-byte aligned offsets.
+// kernels read (PageDesc[P], k_offsets[H·P], v_offsets[H·P], μ_k, μ_v, λ, λ_v as float[H·d] each),
+// then (format v2) the per-head record of the transform choice: head_flags uint32[H] and
+// head_estimates float[H·kHeadEstimateFields]. Pages sit at 128-byte aligned offsets; tables at
+// 256-byte aligned offsets.
 struct KvLayout {
   std::vector<PageDesc> pages;
   std::vector<uint64_t> k_offsets;  // [H·P] byte offsets from the block start
@@ -195,8 +202,15 @@ struct KvLayout {
   uint64_t mu_v_offset = 0;
   uint64_t lambda_offset = 0;
   uint64_t lambda_v_offset = 0;
+  uint64_t head_flags_offset = 0;
+  uint64_t head_estimates_offset = 0;
   uint64_t total_bytes = 0;
 };
+
+// Per head in the head_estimates table: the estimate's squared error of the sampled outputs with
+// every sampled key in format f (index = PageFormat), then the squared norm of the exact sampled
+// outputs. All zero when the estimate did not run (no queries in the sample, or caller's stats).
+inline constexpr int kHeadEstimateFields = kNumPageFormats + 1;
 
 // REQUIRES: ValidateShape and ValidateRanges passed.
 KvLayout PlanKvLayout(const LayerShape& shape, const std::vector<TokenRange>& ranges);
@@ -204,6 +218,10 @@ KvLayout PlanKvLayout(const LayerShape& shape, const std::vector<TokenRange>& ra
 // PlanKvLayout(shape, ranges).total_bytes without building the per-page tables: O(ranges), for the
 // planner's many questions (the full layout of an H3-sized entry holds 56 · 2 · 2380 offsets).
 uint64_t KvLayoutBytes(const LayerShape& shape, const std::vector<TokenRange>& ranges);
+
+// PlanKvLayout(shape, ranges) without the per-page vectors (pages, k_offsets, v_offsets empty):
+// the table offsets and total_bytes in O(ranges).
+KvLayout PlanKvTables(const LayerShape& shape, const std::vector<TokenRange>& ranges);
 
 // Copies the page table and offsets (not the stats) into a host image of the block's table part:
 // `tables` points at block offset layout.pages_offset and spans up to layout.mu_k_offset.

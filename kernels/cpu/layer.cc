@@ -92,12 +92,18 @@ RowPair GivenRows(const LayerTensors& t, const ProjectedLayout& layout, int64_t 
   return {t.k + at, t.v + at};
 }
 
+// Columns of one sampled token in the pre-pass workspace: Q (when the per-head choice needs
+// queries), then K, then V.
+int64_t SampleCols(const LayerConfig& config) {
+  return (config.transforms.choose_per_head ? 3 : 2) * config.shape.HeadCols();
+}
+
 // With projected input the pre-pass and the K/V chunks read the caller's rows: no projection
 // workspace, only the queries in stored form.
 uint64_t SampleBytes(const LayerConfig& config) {
   if (!NeedsSamplePass(config) || config.projected.enabled) return 0;
-  return static_cast<uint64_t>(StatsSampleCount(config.shape.n_tokens, config.transforms)) *
-         (2 * config.shape.HeadCols()) * kBf16Bytes;
+  return static_cast<uint64_t>(StatsSampleCount(config.shape.n_tokens, config.transforms)) * SampleCols(config) *
+         kBf16Bytes;
 }
 uint64_t ProjectionBytes(const LayerConfig& config) {
   if (config.projected.enabled) return 0;
@@ -170,29 +176,46 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
   const ProjectedLayout& projected = config.projected;
   uint16_t* ws = reinterpret_cast<uint16_t*>(workspace);  // bf16 [rows, 2·H·d]: K columns, then V
 
-  // Statistics pre-pass: project the sampled tokens' K and V (bf16 [S, 2·H·d] in the workspace),
-  // then two passes of the epilogue per head (StatsFromSample).
+  // Statistics pre-pass: project the sampled tokens' Q, K and V (bf16 [S, 3·H·d] in the workspace;
+  // [S, 2·H·d] without the per-head choice), two passes of the epilogue per head for the statistics
+  // (StatsFromSample), then the per-head choice on the same rows (ChooseTransforms).
   KvStats stats;
+  TransformRecord record = FixedTransformRecord(shape, config.transforms);
   if (config.stats != nullptr) {
     stats = *config.stats;
   } else if (NeedsSamplePass(config)) {
     const int64_t s = StatsSampleCount(n, config.transforms);
+    const int64_t cols = SampleCols(config);
+    const int64_t q_cols = cols - 2 * hd;  // Q columns before K (0 without the choice)
     if (!projected.enabled) {
       ParallelFor(threads, s, [&](int64_t i) {
         const int64_t t = StatsSampleToken(i, n, s);
-        ProjectRow(tensors.x + t * hidden, tensors.w_qkv, hidden, hd, 2 * hd, ws + i * 2 * hd);
+        ProjectRow(tensors.x + t * hidden, tensors.w_qkv, hidden, hd - q_cols, cols, ws + i * cols);
       });
     }
-    stats = StatsFromSample(
-        s, shape, config.transforms,
-        [&](int64_t i, int h, float* k_row, float* v_row) {
-          const int64_t t = StatsSampleToken(i, n, s);
-          const RowPair rows = projected.enabled ? GivenRows(tensors, projected, t, h)
-                                                 : WorkspaceRows(ws + i * 2 * hd, hd, h, d);
-          EpilogueRow(epilogue, Proj::kK, t, h, rows.k, k_row);
-          EpilogueRow(epilogue, Proj::kV, t, h, rows.v, v_row);
-        },
-        threads);
+    const SampleRowFn kv_row = [&](int64_t i, int h, float* k_row, float* v_row) {
+      const int64_t t = StatsSampleToken(i, n, s);
+      const RowPair rows = projected.enabled ? GivenRows(tensors, projected, t, h)
+                                             : WorkspaceRows(ws + i * cols + q_cols, hd, h, d);
+      EpilogueRow(epilogue, Proj::kK, t, h, rows.k, k_row);
+      EpilogueRow(epilogue, Proj::kV, t, h, rows.v, v_row);
+    };
+    stats = StatsFromSample(s, shape, config.transforms, kv_row, threads);
+    // Queries of the sampled tokens: projected here, or the caller's (a Project call without Q
+    // keeps the options' set).
+    QueryRowFn q_row;
+    if (config.transforms.choose_per_head && (!projected.enabled || tensors.q != nullptr)) {
+      q_row = [&](int64_t i, int h, float* q) {
+        const int64_t t = StatsSampleToken(i, n, s);
+        const uint16_t* given = projected.enabled ? tensors.q + projected.Offset(t, h)
+                                                  : ws + i * cols + static_cast<int64_t>(h) * d;
+        EpilogueRow(epilogue, Proj::kQ, t, h, given, q);
+      };
+    }
+    const TokenPageMap ranges(config.ranges);
+    record = ChooseTransforms(
+        s, s, shape, config.transforms, config.attention.softmax_scale, kv_row, q_row,
+        [&](int64_t i) { return config.ranges[ranges.RangeOf(StatsSampleToken(i, n, s))].format; }, &stats, threads);
   } else {
     stats.mu_k.assign(hd, 0.0f);
     stats.mu_v.assign(hd, 0.0f);
@@ -204,6 +227,7 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
   // Prologue: page table, offsets and statistics into the block; pages cleared.
   const KvLayout layout = PlanKvLayout(shape, config.ranges);
   WriteBlockHeader(layout, stats, kv);
+  WriteTransformRecord(layout, record, kv);
   const TokenPageMap map(config.ranges);
 
   // Main loop: chunks of Tp tokens — GEMM into the workspace, then epilogue and packing.

@@ -4,7 +4,10 @@
 // Flow of RunLayer (= ProjectKv, then AttendLayer):
 //   1. statistics pre-pass (unless config.stats): project the S = min(N, stats_sample_tokens)
 //      tokens t_i = floor(i·N/S), apply bias / QK-norm / RoPE, compute μ_k, μ_v, λ, λ_v per (head,
-//      channel) (stats.h); write them, the page table and offsets into the K/V block (pack.h);
+//      channel) (stats.h); with transforms.choose_per_head, keep per head the transforms a small
+//      attention on the sample estimates best (kernels/transform_choice.h; masks and sequence ids
+//      are not applied in that estimate); write the tables, the per-head flags and estimates, the
+//      page table and offsets into the K/V block (pack.h);
 //   2. K/V projection in chunks of config.projection_chunk tokens: x[chunk] · W_kᵀ, W_vᵀ with fp32
 //      accumulation in a fixed order, rounded to bf16 like a GEMM into a bf16 workspace
 //      (projection.h); then per (token, head) the fp32 epilogue bias → QK-norm → RoPE → stored form
@@ -25,9 +28,9 @@
 // size O(chunk) is allocated, and of size O(N) only the host page table of PlanKvLayout
 // (16 + 16·H bytes per 64 tokens, the same bytes the block's tables hold). The workspace holds, at
 // offset 0, one of (never two at once):
-//   pre-pass    bf16 [S, 2·H·d]           K and V of the sampled tokens   (only without
-//                                                                          config.stats and with
-//                                                                          smooth or balance on)
+//   pre-pass    bf16 [S, 3·H·d]           Q, K and V of the sampled tokens (only without
+//                                         ([S, 2·H·d] without            config.stats and with
+//                                         choose_per_head)                smooth or balance on)
 //   projection  bf16 [min(Tp, N), 2·H·d]  K then V columns of one chunk
 //   queries     bf16 [min(Tq, N), H·d]    Q of one chunk in stored form
 // WorkspaceBytes is the largest of the three, and that many bytes are written (tests hold it).

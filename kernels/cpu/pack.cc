@@ -34,12 +34,19 @@ void TokenPageMap::Locate(int64_t token, int* page, int* slot) const {
 
 void WriteBlockHeader(const KvLayout& layout, const KvStats& stats, uint8_t* block) {
   memset(block, 0, layout.pages_offset);
+  memset(block + layout.head_flags_offset, 0, layout.total_bytes - layout.head_flags_offset);
   WriteKvTables(layout, block + layout.pages_offset);
   const size_t stats_bytes = stats.mu_k.size() * sizeof(float);
   memcpy(block + layout.mu_k_offset, stats.mu_k.data(), stats_bytes);
   memcpy(block + layout.mu_v_offset, stats.mu_v.data(), stats_bytes);
   memcpy(block + layout.lambda_offset, stats.lambda.data(), stats_bytes);
   memcpy(block + layout.lambda_v_offset, stats.lambda_v.data(), stats_bytes);
+}
+
+void WriteTransformRecord(const KvLayout& layout, const TransformRecord& record, uint8_t* block) {
+  memcpy(block + layout.head_flags_offset, record.head_flags.data(), record.head_flags.size() * sizeof(uint32_t));
+  memcpy(block + layout.head_estimates_offset, record.head_estimates.data(),
+         record.head_estimates.size() * sizeof(float));
 }
 
 void PackRow(const KvLayout& layout, const LayerShape& shape, const TransformOptions& transforms,

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cpu/stats.h"
 #include "kernels/layer_spec.h"
 
 namespace kvpack::cpu {
@@ -30,6 +31,10 @@ class TokenPageMap {
 // Clears the page region, writes the page table and offsets (WriteKvTables) and the statistics at
 // their KvLayout offsets. REQUIRES: each stats vector has H·d entries.
 void WriteBlockHeader(const KvLayout& layout, const KvStats& stats, uint8_t* block);
+
+// Writes the per-head flags and estimates (format v2) at their KvLayout offsets.
+// REQUIRES: record sized for the layout's heads (stats.h TransformRecord).
+void WriteTransformRecord(const KvLayout& layout, const TransformRecord& record, uint8_t* block);
 
 // Encodes the stored forms of K and V of (token, head) into their pages. k and v are the epilogued
 // rows (d floats each, after QK-norm and RoPE); they are used as scratch and clobbered.

@@ -5,6 +5,7 @@
 #include <random>
 
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/pack.h"
 #include "kernels/cpu/stats.h"
 
 namespace kvpack::cpu {
@@ -69,7 +70,109 @@ double Norm(const std::vector<double>& x) {
   return std::sqrt(s);
 }
 
+
+// Scales q rows of head h so that the mean over sampled queries of the std over sampled keys of
+// scale·q·k is kLogitStd (a temperature typical of trained heads).
+void CalibrateTemperature(const SyntheticOptions& o, int h, double scale, SyntheticData* data) {
+  const int heads = o.n_heads;
+  const int d = o.head_dim;
+  const int64_t nq = std::min<int64_t>(o.n_q, kCalibrationQueries);
+  const int64_t nk = std::min<int64_t>(o.n_k, kCalibrationKeys);
+  double mean_std = 0.0;
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* q = data->q.data() + ((i * o.n_q / nq) * heads + h) * d;
+    double s1 = 0.0, s2 = 0.0;
+    for (int64_t j = 0; j < nk; ++j) {
+      const float* k = data->k.data() + ((j * o.n_k / nk) * heads + h) * d;
+      double s = 0.0;
+      for (int c = 0; c < d; ++c) s += static_cast<double>(q[c]) * k[c];
+      s *= scale;
+      s1 += s;
+      s2 += s * s;
+    }
+    const double mean = s1 / nk;
+    mean_std += std::sqrt(std::max(s2 / nk - mean * mean, 0.0));
+  }
+  mean_std /= std::max<int64_t>(nq, 1);
+  const double g = mean_std > 0.0 ? kLogitStd / mean_std : 1.0;
+  for (int64_t t = 0; t < o.n_q; ++t) {
+    float* row = data->q.data() + (t * heads + h) * d;
+    for (int c = 0; c < d; ++c) row[c] = static_cast<float>(row[c] * g);
+  }
+}
+
+// The kSinks edit of head h (quality.h): sink keys that take `mass` of every query's attention,
+// with V rows near zero. k_offset are the head's K channel offsets, v_sigma its V channel spreads.
+void AddSinks(std::mt19937_64& rng, const SyntheticOptions& o, int h, double scale, double mass,
+              const std::vector<double>& k_offset, const std::vector<double>& v_sigma, SyntheticData* data) {
+  std::normal_distribution<double> normal(0.0, 1.0);
+  const int heads = o.n_heads;
+  const int d = o.head_dim;
+  std::vector<double> u(d);
+  for (double& x : u) x = normal(rng);
+  const double nu = Norm(u);
+  for (double& x : u) x /= nu;
+  std::vector<double> norms(o.n_q);
+  for (int64_t t = 0; t < o.n_q; ++t) {
+    const float* row = data->q.data() + (t * heads + h) * d;
+    double s = 0.0;
+    for (int c = 0; c < d; ++c) s += static_cast<double>(row[c]) * row[c];
+    norms[t] = std::sqrt(s);
+  }
+  std::nth_element(norms.begin(), norms.begin() + o.n_q / 2, norms.end());
+  const double a = 0.5 * norms[o.n_q / 2];
+  for (int64_t t = 0; t < o.n_q; ++t) {
+    float* row = data->q.data() + (t * heads + h) * d;
+    for (int c = 0; c < d; ++c) row[c] = static_cast<float>(row[c] + a * u[c]);
+  }
+  // Lead Δ of a sink's logit: n_sink·e^Δ / (n_sink·e^Δ + N·E[e^l]) = mass, E[e^l] = e^{σ²/2}.
+  const int n_sink = static_cast<int>(std::min<int64_t>(kSinkTokens, o.n_k));
+  const double lead = std::log(mass / (1.0 - mass) * static_cast<double>(o.n_k) *
+                               std::exp(0.5 * kLogitStd * kLogitStd) / n_sink);
+  const double b = a > 0.0 ? lead / (scale * a) : 0.0;
+  std::uniform_int_distribution<int64_t> pick(1, std::max<int64_t>(o.n_k - 1, 1));
+  for (int i = 0; i < n_sink; ++i) {
+    const int64_t t = i == 0 ? 0 : pick(rng);
+    float* k = data->k.data() + (t * heads + h) * d;
+    float* v = data->v.data() + (t * heads + h) * d;
+    for (int c = 0; c < d; ++c) {
+      k[c] = static_cast<float>(k_offset[c] + b * u[c]);
+      v[c] = static_cast<float>(kSinkValueScale * v_sigma[c] * normal(rng));
+    }
+  }
+}
+
+// The kQkNorm edit of head h's rows [n, H, d]: RMS-normalised, times a per-channel gain.
+void NormalizeRows(std::mt19937_64& rng, int64_t n, int heads, int h, int d, std::vector<float>* rows) {
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> gain(d);
+  for (double& g : gain) g = std::exp(0.2 * normal(rng));
+  for (int64_t t = 0; t < n; ++t) {
+    float* row = rows->data() + (t * heads + h) * d;
+    double s = 0.0;
+    for (int c = 0; c < d; ++c) s += static_cast<double>(row[c]) * row[c];
+    const double inv_rms = 1.0 / std::sqrt(s / d + 1e-6);
+    for (int c = 0; c < d; ++c) row[c] = static_cast<float>(row[c] * inv_rms * gain[c]);
+  }
+}
+
 }  // namespace
+
+bool ParseSyntheticKind(const std::string& name, SyntheticKind* kind) {
+  for (SyntheticKind k : {SyntheticKind::kOutliers, SyntheticKind::kSinks, SyntheticKind::kQkNorm}) {
+    if (name == SyntheticKindName(k)) return *kind = k, true;
+  }
+  return false;
+}
+
+const char* SyntheticKindName(SyntheticKind kind) {
+  switch (kind) {
+    case SyntheticKind::kOutliers: return "outliers";
+    case SyntheticKind::kSinks: return "sinks";
+    case SyntheticKind::kQkNorm: return "qknorm";
+  }
+  return "?";
+}
 
 SyntheticData MakeSyntheticData(const SyntheticOptions& o) {
   std::mt19937_64 rng(o.seed);
@@ -100,29 +203,14 @@ SyntheticData MakeSyntheticData(const SyntheticOptions& o) {
       float* row = data.q.data() + (t * heads + h) * d;
       for (int c = 0; c < d; ++c) row[c] = static_cast<float>(0.5 * aligned[c] / na + 0.5 * noise[c] / nn);
     }
-    // Temperature: the mean over sampled queries of the std over sampled keys of scale·q·k.
-    const int64_t nq = std::min<int64_t>(o.n_q, kCalibrationQueries);
-    const int64_t nk = std::min<int64_t>(o.n_k, kCalibrationKeys);
-    double mean_std = 0.0;
-    for (int64_t i = 0; i < nq; ++i) {
-      const float* q = data.q.data() + ((i * o.n_q / nq) * heads + h) * d;
-      double s1 = 0.0, s2 = 0.0;
-      for (int64_t j = 0; j < nk; ++j) {
-        const float* k = data.k.data() + ((j * o.n_k / nk) * heads + h) * d;
-        double s = 0.0;
-        for (int c = 0; c < d; ++c) s += static_cast<double>(q[c]) * k[c];
-        s *= scale;
-        s1 += s;
-        s2 += s * s;
-      }
-      const double mean = s1 / nk;
-      mean_std += std::sqrt(std::max(s2 / nk - mean * mean, 0.0));
-    }
-    mean_std /= std::max<int64_t>(nq, 1);
-    const double g = mean_std > 0.0 ? kLogitStd / mean_std : 1.0;
-    for (int64_t t = 0; t < o.n_q; ++t) {
-      float* row = data.q.data() + (t * heads + h) * d;
-      for (int c = 0; c < d; ++c) row[c] = static_cast<float>(row[c] * g);
+    CalibrateTemperature(o, h, scale, &data);
+    if (o.kind == SyntheticKind::kSinks && h % 4 != 3) {
+      const double mass = kSinkMassMin + (kSinkMassMax - kSinkMassMin) * (h % 4) / 2.0;
+      AddSinks(rng, o, h, scale, mass, km.offset, vm.sigma, &data);
+    } else if (o.kind == SyntheticKind::kQkNorm) {
+      NormalizeRows(rng, o.n_q, heads, h, d, &data.q);
+      NormalizeRows(rng, o.n_k, heads, h, d, &data.k);
+      CalibrateTemperature(o, h, scale, &data);
     }
   }
   return data;
@@ -159,6 +247,10 @@ QualityResult CompareOutputs(const double* reference, const float* out, int64_t 
     err_all += head_err[h];
     ref_all += head_ref[h];
   }
+  for (int h = 0; h < n_heads; ++h) {
+    if (r.head_cosine[h] < r.head_cosine[r.worst_head]) r.worst_head = h;
+  }
+  r.worst_head_cosine = n_heads > 0 ? r.head_cosine[r.worst_head] : 0.0;
   r.rel_l2 = ref_all > 0.0 ? std::sqrt(err_all / ref_all) : std::sqrt(err_all);
   r.cosine = cos_sum / std::max<int64_t>(n_q * n_heads, 1);
   return r;
@@ -167,7 +259,7 @@ QualityResult CompareOutputs(const double* reference, const float* out, int64_t 
 Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float* v, int64_t n_k, int n_heads,
                         int head_dim, PageFormat format, const TransformOptions& transforms,
                         const AttentionOptions& attention, const CpuOptions& options, float* out,
-                        double* bits_per_value) {
+                        double* bits_per_value, TransformRecord* record) {
   LayerShape shape;
   shape.n_tokens = n_k;
   shape.hidden = n_heads * head_dim;
@@ -178,8 +270,27 @@ Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float
   if (Error e = ValidateRanges(n_k, ranges); !e.ok()) return e;
   const KvLayout layout = PlanKvLayout(shape, ranges);
   std::vector<uint8_t> block(layout.total_bytes);
-  const KvStats stats = ComputeStats(k, v, shape, transforms);
+  KvStats stats = ComputeStats(k, v, shape, transforms);
+  TransformRecord chosen = FixedTransformRecord(shape, transforms);
+  if (transforms.smooth || transforms.balance) {
+    const int64_t hd = shape.HeadCols();
+    const int64_t s = StatsSampleCount(n_k, transforms);
+    chosen = ChooseTransforms(
+        s, n_q, shape, transforms, attention.softmax_scale,
+        [&](int64_t i, int h, float* k_row, float* v_row) {
+          const int64_t at = StatsSampleToken(i, n_k, s) * hd + static_cast<int64_t>(h) * head_dim;
+          std::copy(k + at, k + at + head_dim, k_row);
+          std::copy(v + at, v + at + head_dim, v_row);
+        },
+        [&](int64_t i, int h, float* q_row) {
+          const int64_t at = i * hd + static_cast<int64_t>(h) * head_dim;
+          std::copy(q + at, q + at + head_dim, q_row);
+        },
+        [&](int64_t) { return format; }, &stats, options.n_threads);
+  }
   if (Error e = PackKv(k, v, shape, ranges, stats, transforms, block.data(), options); !e.ok()) return e;
+  WriteTransformRecord(layout, chosen, block.data());
+  if (record != nullptr) *record = chosen;
   const KvEntryView view = MakeKvView(layout, shape, block.data(), transforms);
   QueryBlock queries;
   queries.q = q;

@@ -4,9 +4,11 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/layer.h"
+#include "kernels/cpu/stats.h"
 
 namespace kvpack::cpu {
 
@@ -23,6 +25,23 @@ inline constexpr int kOutlierChannelsK = 4;
 inline constexpr int kOutlierChannelsV = 2;
 inline constexpr double kLogitStd = 2.5;
 
+// What real activations add to the generator above (each kind starts from it; pass outlier_scale
+// 1.3–2.7 for the mild outliers real K/V have, 10–50 for the structured data format v1 was tuned on):
+//   kSinks   attention sinks: in every head but each 4th (h % 4 == 3), kSinkTokens keys (token 0
+//            and random others) take a share m_h of each query's attention, m_h spread over
+//            [kSinkMassMin, kSinkMassMax] across heads, and their V rows are near zero
+//            (kSinkValueScale × the channel spread, no offset), as on separator and punctuation
+//            tokens of pretrained text encoders. Queries get a shared component a·u (a = half the
+//            median ‖q‖, u a random unit vector) and sink keys the offset plus b·u, with b set so the
+//            sinks' logit lead gives m_h against N keys of logit std kLogitStd.
+//   kQkNorm  QK-normalised q and k: every q and k row RMS-normalised and multiplied by a per-head
+//            channel gain exp(N(0, 0.2²)) (as RMSNorm weights do), then q's temperature re-set.
+enum class SyntheticKind { kOutliers, kSinks, kQkNorm };
+inline constexpr int kSinkTokens = 3;
+inline constexpr double kSinkMassMin = 0.5;
+inline constexpr double kSinkMassMax = 0.95;
+inline constexpr double kSinkValueScale = 0.03;
+
 struct SyntheticOptions {
   int64_t n_k = 0;
   int64_t n_q = 0;
@@ -31,7 +50,12 @@ struct SyntheticOptions {
   double outlier_scale = 20.0;
   float softmax_scale = 0.0f;  // 0: 1/sqrt(d); the logit temperature is set for this scale
   uint64_t seed = 1;
+  SyntheticKind kind = SyntheticKind::kOutliers;
 };
+
+// "outliers", "sinks", "qknorm"; false for any other name.
+bool ParseSyntheticKind(const std::string& name, SyntheticKind* kind);
+const char* SyntheticKindName(SyntheticKind kind);
 
 struct SyntheticData {
   std::vector<float> q;  // [n_q, H, d]
@@ -48,6 +72,8 @@ struct QualityResult {
   double cosine = 0.0;               // mean over (query, head) rows of cos(o, o_ref)
   std::vector<double> head_rel_l2;   // per head
   std::vector<double> head_cosine;   // per head, mean over queries
+  int worst_head = 0;                // the head of the lowest mean cosine
+  double worst_head_cosine = 0.0;
   double bits_per_value = 0.0;       // bytes of all K and V pages (partial pages included) · 8 / (2·N·H·d)
 };
 
@@ -55,11 +81,13 @@ struct QualityResult {
 QualityResult CompareOutputs(const double* reference, const float* out, int64_t n_q, int n_heads, int head_dim);
 
 // Packs k and v ([n_k, H, d], one range, sequence 0) in `format` with `transforms` (statistics from
-// the strided sample), attends with q ([n_q, H, d], every query sees every key), writes out
-// [n_q, H, d] and returns the stored bits per value in *bits_per_value.
+// the strided sample; with transforms.choose_per_head the per-head choice as the layer makes it,
+// its queries the strided sample of q), attends with q ([n_q, H, d], every query sees every key),
+// writes out [n_q, H, d], the stored bits per value in *bits_per_value and the entry's per-head
+// flags and estimates in *record (either may be null).
 Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float* v, int64_t n_k, int n_heads,
                         int head_dim, PageFormat format, const TransformOptions& transforms,
                         const AttentionOptions& attention, const CpuOptions& options, float* out,
-                        double* bits_per_value);
+                        double* bits_per_value, TransformRecord* record = nullptr);
 
 }  // namespace kvpack::cpu

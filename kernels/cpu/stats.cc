@@ -75,6 +75,45 @@ KvStats StatsFromSample(int64_t n_sample, const LayerShape& shape, const Transfo
   return stats;
 }
 
+TransformRecord FixedTransformRecord(const LayerShape& shape, const TransformOptions& transforms) {
+  TransformRecord r;
+  r.head_flags.assign(shape.n_heads, FixedHeadFlags(transforms));
+  r.head_estimates.assign(static_cast<size_t>(shape.n_heads) * kHeadEstimateFields, 0.0f);
+  return r;
+}
+
+TransformRecord ChooseTransforms(int64_t n_sample, int64_t n_queries, const LayerShape& shape,
+                                 const TransformOptions& transforms, float softmax_scale, const SampleRowFn& row,
+                                 const QueryRowFn& query, const std::function<PageFormat(int64_t i)>& format_of,
+                                 KvStats* stats, int n_threads) {
+  TransformRecord r = FixedTransformRecord(shape, transforms);
+  const int d = shape.head_dim;
+  const int64_t n_keys = EstimateKeyCount(n_sample);
+  const int64_t n_q = query ? std::min<int64_t>(n_queries, kEstimateQueries) : 0;
+  std::vector<PageFormat> formats(n_keys);
+  for (int64_t j = 0; j < n_keys; ++j) formats[j] = format_of(EstimateKeyIndex(j, n_sample));
+  ParallelFor(n_threads, shape.n_heads, [&](int64_t h) {
+    std::vector<float> q(static_cast<size_t>(n_q) * d), k(static_cast<size_t>(n_keys) * d), v(k.size());
+    for (int64_t j = 0; j < n_keys; ++j) row(EstimateKeyIndex(j, n_sample), static_cast<int>(h), &k[j * d], &v[j * d]);
+    for (int64_t i = 0; i < n_q; ++i) query(i * n_queries / n_q, static_cast<int>(h), &q[i * d]);
+    HeadSample sample;
+    sample.head_dim = d;
+    sample.n_keys = n_keys;
+    sample.n_queries = n_q;
+    sample.q = q.data(), sample.k = k.data(), sample.v = v.data();
+    sample.formats = formats.data();
+    const int64_t at = h * d;
+    const HeadTables tables{stats->mu_k.data() + at, stats->mu_v.data() + at, stats->lambda.data() + at,
+                            stats->lambda_v.data() + at};
+    const HeadChoice choice = ChooseHeadTransforms(sample, transforms, softmax_scale, tables);
+    r.head_flags[h] = choice.flags;
+    float* e = r.head_estimates.data() + h * kHeadEstimateFields;
+    for (int f = 0; f < kNumPageFormats; ++f) e[f] = static_cast<float>(choice.by_format[f].err);
+    e[kNumPageFormats] = static_cast<float>(choice.by_format[0].ref);
+  });
+  return r;
+}
+
 KvStats ComputeStats(const float* k, const float* v, const LayerShape& shape, const TransformOptions& transforms) {
   const int64_t n = shape.n_tokens;
   const int64_t s = StatsSampleCount(n, transforms);

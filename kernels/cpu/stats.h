@@ -19,8 +19,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "kernels/layer_spec.h"
+#include "kernels/transform_choice.h"
 
 namespace kvpack::cpu {
 
@@ -39,5 +41,30 @@ using SampleRowFn = std::function<void(int64_t i, int head, float* k_row, float*
 // (i, head) and must return the same values each time. Runs heads in parallel.
 KvStats StatsFromSample(int64_t n_sample, const LayerShape& shape, const TransformOptions& transforms,
                         const SampleRowFn& row, int n_threads);
+
+// ── Per-head choice (transform_choice.h) ────────────────────────────────────────────────────────
+
+// Fills q_row (head_dim floats) with query i of head h, i < n_queries.
+using QueryRowFn = std::function<void(int64_t i, int head, float* q_row)>;
+
+// What the entry records of the choice: its per-head flags and estimate tables (KvLayout).
+struct TransformRecord {
+  std::vector<uint32_t> head_flags;     // [H]
+  std::vector<float> head_estimates;    // [H · kHeadEstimateFields]
+};
+
+// For each head (in parallel): gathers the estimate's keys (EstimateKeyIndex of the n_sample rows
+// of `row`, each stored in format_of(i)) and queries (i·n_queries/m of `query`, m =
+// min(n_queries, kEstimateQueries)), runs ChooseHeadTransforms on `stats` (computed by
+// StatsFromSample with the same options) and records the result. An empty `query` (no queries
+// known) keeps the options' set and records zero estimates.
+TransformRecord ChooseTransforms(int64_t n_sample, int64_t n_queries, const LayerShape& shape,
+                                 const TransformOptions& transforms, float softmax_scale, const SampleRowFn& row,
+                                 const QueryRowFn& query, const std::function<PageFormat(int64_t i)>& format_of,
+                                 KvStats* stats, int n_threads);
+
+// The record of an entry whose tables were not chosen (caller's stats): the options' flags, zero
+// estimates.
+TransformRecord FixedTransformRecord(const LayerShape& shape, const TransformOptions& transforms);
 
 }  // namespace kvpack::cpu

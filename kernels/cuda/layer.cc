@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/row_epilogue.h"
+#include "kernels/transform_choice.h"
 
 namespace kvpack::cuda {
 namespace {
@@ -242,6 +244,13 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
   WriteKvTables(layout, tables.data());
   KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.pages_offset, tables.data(), tables.size(), cudaMemcpyHostToDevice,
                                      ctx.stream));
+  // Per-head record (format v2): this backend does not make the per-head choice yet
+  // (transform_choice.h; CPU only), so every head records the options' set and no estimate.
+  std::vector<uint8_t> record(layout.total_bytes - layout.head_flags_offset, 0);
+  const uint32_t flags = FixedHeadFlags(c.transforms);
+  for (int h = 0; h < c.shape.n_heads; ++h) memcpy(record.data() + h * sizeof(uint32_t), &flags, sizeof(flags));
+  KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.head_flags_offset, record.data(), record.size(),
+                                     cudaMemcpyHostToDevice, ctx.stream));
 
   // ── Statistics: the caller's, or the pre-pass ─────────────────────────────────────────────────
   if (c.stats) {

@@ -1,6 +1,7 @@
 #include "server/core/planner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <iterator>
 #include <string>
 
@@ -30,6 +31,44 @@ LayerConfig MakeLayerConfig(const LayerRequest& request, const std::vector<PageF
   config.query_chunk = query_chunk;
   return config;
 }
+
+std::vector<PageFormat> AllowedForErrorBudget(double max_rel_error, const ErrorEstimate& estimate) {
+  constexpr PageFormat kCheapestFirst[] = {PageFormat::kInt4, PageFormat::kInt8, PageFormat::kBf16};
+  int chosen = kNumPageFormats - 1;
+  for (int i = 0; i < kNumPageFormats; ++i) {
+    if (estimate.rel_error[static_cast<int>(kCheapestFirst[i])] <= max_rel_error) {
+      chosen = i;
+      break;
+    }
+  }
+  std::vector<PageFormat> allowed;
+  for (int i = chosen; i >= 0; --i) allowed.push_back(kCheapestFirst[i]);
+  return allowed;
+}
+
+namespace {
+
+// `request` with every error budget replaced by its allowed list.
+absl::StatusOr<LayerRequest> ResolveErrorBudgets(const LayerRequest& request) {
+  LayerRequest resolved = request;
+  for (size_t i = 0; i < resolved.ranges.size(); ++i) {
+    RangeRequest& r = resolved.ranges[i];
+    if (r.max_rel_error == 0.0) continue;
+    if (!(r.max_rel_error > 0.0) || !std::isfinite(r.max_rel_error)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ranges[", i, "].max_rel_error = ", r.max_rel_error, " must be a positive finite number"));
+    }
+    if (!request.estimate.present) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ranges[", i, "].max_rel_error needs an error estimate: send a sample with Plan, or pass the "
+          "estimated_rel_error of an earlier result of this layer"));
+    }
+    r.allowed = AllowedForErrorBudget(r.max_rel_error, request.estimate);
+  }
+  return resolved;
+}
+
+}  // namespace
 
 absl::Status ValidateLayerRequest(const LayerRequest& request) {
   if (absl::Status s = ToStatus(ValidateShape(request.shape, /*for_gpu=*/false)); !s.ok()) return s;
@@ -115,7 +154,10 @@ int64_t PageSaving(const RangeRequest& r, PageFormat from, PageFormat to, int he
 
 }  // namespace
 
-absl::StatusOr<LayerPlan> PlanLayer(const LayerRequest& request, uint64_t capacity_bytes, const PlannerCosts& costs) {
+absl::StatusOr<LayerPlan> PlanLayer(const LayerRequest& original, uint64_t capacity_bytes, const PlannerCosts& costs) {
+  absl::StatusOr<LayerRequest> resolved = ResolveErrorBudgets(original);
+  if (!resolved.ok()) return resolved.status();
+  const LayerRequest& request = *resolved;
   if (absl::Status s = ValidateLayerRequest(request); !s.ok()) return s;
   const size_t n_ranges = request.ranges.size();
   std::vector<size_t> step(n_ranges, 0);  // index into each range's allowed list
@@ -186,6 +228,9 @@ absl::StatusOr<LayerPlan> PlanLayer(const LayerRequest& request, uint64_t capaci
     plan.ranges[i].format = formats[i];
     plan.ranges[i].downgraded = step[i] > 0;
     plan.ranges[i].tokens = request.ranges[i].end - request.ranges[i].begin;
+    if (request.estimate.present) {
+      plan.ranges[i].estimated_rel_error = request.estimate.rel_error[static_cast<int>(formats[i])];
+    }
   }
   plan.downgrades = 0;
   for (size_t i = 0; i < n_ranges; ++i) plan.downgrades += step[i] > 0 ? 1 : 0;

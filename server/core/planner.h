@@ -39,6 +39,7 @@ struct RangePlan {
   PageFormat format = PageFormat::kInt4;
   bool downgraded = false;
   int64_t tokens = 0;
+  double estimated_rel_error = 0.0;  // the request's estimate for `format`; 0 without one
 };
 
 struct LayerPlan {
@@ -56,6 +57,8 @@ struct LayerPlan {
   LayerConfig config;            // the resolved config (formats and chunks filled in)
 };
 
+// Ranges with an error budget (RangeRequest::max_rel_error) first take AllowedForErrorBudget's list;
+// a budget without request.estimate is INVALID_ARGUMENT naming the range.
 // Validates `request` (INVALID_ARGUMENT naming the field; the backend's own rejection as it comes),
 // then plans it into `capacity_bytes`. A plan that does not fit comes back with fits = false, the
 // floor plan and a reason; PlanLayer never fails for memory (callers decide: Plan answers, runs

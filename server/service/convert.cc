@@ -1,9 +1,14 @@
 #include "server/service/convert.h"
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
+#include <cmath>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/estimate.h"
+#include "server/core/policy.h"
 
 namespace kvpack::server {
 
@@ -56,9 +61,47 @@ absl::StatusOr<LayerRequest> LayerRequestFromProto(const v1::LayerHeader& header
       }
       range.allowed.push_back(*f);
     }
+    range.max_rel_error = in.max_rel_error();
+    if (!range.allowed.empty() && range.max_rel_error != 0.0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.ranges[", i, "].max_rel_error: give allowed_formats or max_rel_error, not both"));
+    }
+    if (!(range.max_rel_error >= 0.0) || !std::isfinite(range.max_rel_error)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.ranges[", i, "].max_rel_error = ", range.max_rel_error, " must be finite and >= 0"));
+    }
+    if (in.role().size() > kMaxRoleBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.ranges[", i, "].role: longer than ", kMaxRoleBytes, " bytes"));
+    }
+    if (!in.role().empty() && !IsRangeRole(in.role())) {
+      return absl::InvalidArgumentError(absl::StrCat("header.ranges[", i, "].role: '", in.role(),
+                                                     "' is not a role (text, reference, audio, generated)"));
+    }
+    range.role = in.role();
+    range.precision_given = !range.allowed.empty() || range.max_rel_error != 0.0;
     if (range.allowed.empty()) range.allowed.push_back(PageFormat::kInt4);
     r.ranges.push_back(std::move(range));
   }
+  if (header.has_estimated_rel_error()) {
+    const v1::ErrorEstimate& e = header.estimated_rel_error();
+    const double values[kNumPageFormats] = {e.int4(), e.int8(), e.bf16()};  // PageFormat order
+    for (int f = 0; f < kNumPageFormats; ++f) {
+      if (!(values[f] >= 0.0) || !std::isfinite(values[f])) {
+        return absl::InvalidArgumentError("header.estimated_rel_error: every field must be finite and >= 0");
+      }
+      r.estimate.rel_error[f] = values[f];
+    }
+    r.estimate.present = true;
+  }
+  if (header.policy().size() > kMaxRoleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("header.policy: longer than ", kMaxRoleBytes, " bytes"));
+  }
+  r.policy = header.policy();
+  if (header.block_index() < 0) return absl::InvalidArgumentError("header.block_index must be >= 0");
+  if (!std::isfinite(header.timestep())) return absl::InvalidArgumentError("header.timestep must be finite");
+  r.block_index = header.block_index();
+  r.timestep = header.timestep();
 
   const v1::LayerOptions& options = header.options();
   const v1::RopeOptions& rope = options.rope();
@@ -85,6 +128,7 @@ absl::StatusOr<LayerRequest> LayerRequestFromProto(const v1::LayerHeader& header
   if (t.has_rotate()) r.transforms.rotate = t.rotate();
   if (t.has_smooth()) r.transforms.smooth = t.smooth();
   if (t.has_balance()) r.transforms.balance = t.balance();
+  if (t.has_choose_per_head()) r.transforms.choose_per_head = t.choose_per_head();
   if (t.seed() != 0) r.transforms.seed = t.seed();
   if (t.stats_sample_tokens() < 0) {
     return absl::InvalidArgumentError("header.options.transforms.stats_sample_tokens must not be negative");
@@ -188,6 +232,7 @@ void PlanToProto(const LayerPlan& plan, v1::PlanResult* out) {
     p->set_format(ToProto(r.format));
     p->set_downgraded(r.downgraded);
     p->set_tokens(r.tokens);
+    p->set_estimated_rel_error(r.estimated_rel_error);
   }
   out->set_projection_chunk(plan.projection_chunk);
   out->set_query_chunk(plan.query_chunk);
@@ -197,6 +242,45 @@ void PlanToProto(const LayerPlan& plan, v1::PlanResult* out) {
   out->set_predicted_peak_bytes(plan.peak_bytes);
   out->set_downgrades(plan.downgrades);
   out->set_capacity_bytes(plan.capacity_bytes);
+}
+
+absl::Status EstimateFromSampleProto(const v1::QkvSample& sample, LayerRequest* r) {
+  const int64_t n = sample.n_tokens();
+  if (n < 1 || n > kMaxPlanSampleTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sample.n_tokens = ", n, ": expected 1 to ", kMaxPlanSampleTokens));
+  }
+  const uint64_t want = static_cast<uint64_t>(n) * static_cast<uint64_t>(r->shape.HeadCols()) * sizeof(float);
+  const struct {
+    const std::string* bytes;
+    const char* name;
+  } parts[] = {{&sample.q(), "sample.q"}, {&sample.k(), "sample.k"}, {&sample.v(), "sample.v"}};
+  std::vector<float> values[3];
+  for (int i = 0; i < 3; ++i) {
+    if (parts[i].bytes->size() != want) {
+      return absl::InvalidArgumentError(absl::StrCat(parts[i].name, ": ", parts[i].bytes->size(),
+                                                     " bytes, expected n_tokens * n_heads * head_dim * 4 = ", want));
+    }
+    values[i].resize(want / sizeof(float));
+    memcpy(values[i].data(), parts[i].bytes->data(), want);
+    for (float x : values[i]) {
+      if (!std::isfinite(x)) return absl::InvalidArgumentError(absl::StrCat(parts[i].name, ": holds a non-finite value"));
+    }
+  }
+  const std::array<double, kNumPageFormats> e = cpu::EstimateFromSample(
+      values[0].data(), values[1].data(), values[2].data(), n, r->shape, r->transforms, r->attention.softmax_scale, 0);
+  r->estimate = ErrorEstimate{};
+  for (int f = 0; f < kNumPageFormats; ++f) {
+    r->estimate.rel_error[f] = e[f];
+    r->estimate.present = r->estimate.present || e[f] > 0.0;
+  }
+  return absl::OkStatus();
+}
+
+void EstimateToProto(const ErrorEstimate& e, v1::ErrorEstimate* out) {
+  out->set_int4(e.rel_error[static_cast<int>(PageFormat::kInt4)]);
+  out->set_int8(e.rel_error[static_cast<int>(PageFormat::kInt8)]);
+  out->set_bf16(e.rel_error[static_cast<int>(PageFormat::kBf16)]);
 }
 
 }  // namespace kvpack::server

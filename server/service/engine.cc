@@ -2,13 +2,33 @@
 
 #include <new>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/transform_choice.h"
 
 namespace kvpack::server {
 namespace {
 
 constexpr absl::Duration kTrimAfterIdle = absl::Seconds(1);
+
+// The error estimate the pre-pass left in the entry `kv` (its head_estimates table, 16 bytes per
+// head: one small copy from the pool).
+absl::Status ReadEstimateOf(Backend& backend, const LayerConfig& config, const uint8_t* kv, ErrorEstimate* out) {
+  const KvLayout layout = PlanKvTables(config.shape, config.ranges);
+  std::vector<float> table(static_cast<size_t>(config.shape.n_heads) * kHeadEstimateFields);
+  if (absl::Status s = backend.CopyFromPool(table.data(), kv + layout.head_estimates_offset,
+                                            table.size() * sizeof(float));
+      !s.ok()) {
+    return s;
+  }
+  *out = ErrorEstimate{};
+  for (int f = 0; f < kNumPageFormats; ++f) {
+    out->rel_error[f] = EstimatedRelError(table.data(), config.shape.n_heads, static_cast<PageFormat>(f));
+    out->present = out->present || out->rel_error[f] > 0.0;
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -435,6 +455,12 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     job.project_seconds = absl::ToDoubleSeconds(clock_->Now() - t0);
     metrics_->ObserveStage(Stage::kProject, job.project_seconds);
     for (const TokenRange& r : config.ranges) metrics_->AddTokens(r.format, static_cast<uint64_t>(r.end - r.begin));
+    if (absl::Status s = ReadEstimateOf(*backend_, config, kv_lease.data(), &job.estimate); !s.ok()) return s;
+    if (job.estimate.present) {
+      for (const TokenRange& r : config.ranges) {
+        metrics_->ObserveEstimatedError(r.format, job.estimate.rel_error[static_cast<int>(r.format)]);
+      }
+    }
     if (job.plan.downgrades > 0) metrics_->AddDowngrades(static_cast<uint64_t>(job.plan.downgrades));
   }
   if (job.mode != LayerMode::kProject) {

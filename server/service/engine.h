@@ -24,6 +24,7 @@
 #include "server/core/clock.h"
 #include "server/core/executor.h"
 #include "server/core/planner.h"
+#include "server/core/policy.h"
 #include "server/core/pool.h"
 #include "server/core/scheduler.h"
 #include "server/core/turns.h"
@@ -84,6 +85,9 @@ struct LayerJob {
   // allocate is taking the pool memory (mapping physical chunks on the GPU), release giving it back.
   double queue_seconds = 0, project_seconds = 0, attend_seconds = 0, transfer_seconds = 0;
   double allocate_seconds = 0, turn_wait_seconds = 0, release_seconds = 0;
+  // The run's own error estimate, read from the entry's head_estimates table after ProjectKv
+  // (absent when the pre-pass made none: CUDA backend, caller's stats, transforms off, Attend).
+  ErrorEstimate estimate;
   std::function<void(absl::Status)> done;
 };
 
@@ -96,6 +100,7 @@ class Engine {
   Pool& pool() { return *pool_; }
   Registry& registry() { return registry_; }
   InlineBudget& inline_budget() { return inline_budget_; }
+  PolicyRegistry& policies() { return policies_; }
   Scheduler& scheduler() { return *scheduler_; }
   Metrics& metrics() { return *metrics_; }
   const Clock& clock() const { return *clock_; }
@@ -162,6 +167,7 @@ class Engine {
   std::unique_ptr<Pool> pool_;
   Registry registry_;
   InlineBudget inline_budget_;
+  PolicyRegistry policies_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<TurnArbiter> turns_;  // null on backends whose calls run side by side (CPU)
   std::unique_ptr<Metrics> metrics_;

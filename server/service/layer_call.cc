@@ -181,6 +181,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     job->resident = request->resident;
 
     const absl::Time plan_start = absl::Now();
+    if (absl::Status s = engine.policies().Resolve(&*request); !s.ok()) return s;
     absl::StatusOr<LayerPlan> plan = engine.Plan(tenant_, *request, job->kv_in.get());
     plan_seconds_ = absl::ToDoubleSeconds(absl::Now() - plan_start);
     if (!plan.ok()) return plan.status();
@@ -475,6 +476,13 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       return;
     }
     v1::LayerResult* result = out_.mutable_result();
+    if (job_->estimate.present) {  // the run's own estimate replaces the one the plan was given
+      for (size_t i = 0; i < job_->plan.ranges.size(); ++i) {
+        RangePlan& r = job_->plan.ranges[i];
+        r.estimated_rel_error = job_->estimate.rel_error[static_cast<int>(r.format)];
+      }
+      EstimateToProto(job_->estimate, result->mutable_estimated_rel_error());
+    }
     PlanToProto(job_->plan, result->mutable_plan());
     result->set_kv_handle(job_->kv_handle);
     result->set_peak_bytes(job_->peak_bytes);

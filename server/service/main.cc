@@ -13,11 +13,13 @@
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <thread>
 #include <vector>
 
 #include "server/backends/backend.h"
+#include "server/core/policy_parse.h"
 #include "server/service/options.h"
 #include "server/service/service.h"
 #include "server/service/shm_guard.h"
@@ -91,6 +93,17 @@ int Main(int argc, char** argv) {
     return Fail("--listen=" + o.listen + " is not loopback: --auth_token_file is required");
   }
 
+  // Policies are checked before any device is touched: a bad file fails the start, naming its line.
+  std::vector<Policy> policies;
+  if (!o.policy_file.empty()) {
+    std::ifstream in(o.policy_file, std::ios::binary);
+    if (!in) return Fail("--policy_file=" + o.policy_file + ": cannot open");
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    absl::StatusOr<std::vector<Policy>> parsed = ParsePolicies(text);
+    if (!parsed.ok()) return Fail("--policy_file=" + o.policy_file + ": " + std::string(parsed.status().message()));
+    policies = std::move(*parsed);
+  }
+
   absl::StatusOr<BackendKind> kind = ParseBackendKind(o.backend);
   if (!kind.ok()) return Fail(std::string(kind.status().message()));
   std::string note;
@@ -123,6 +136,7 @@ int Main(int argc, char** argv) {
   eo.version = kVersion;
   SystemClock clock;
   Engine engine(eo, std::move(*backend), &clock);
+  if (absl::Status s = engine.policies().Add(std::move(policies)); !s.ok()) return Fail(std::string(s.message()));
   ServiceLimits limits;
   limits.max_inline_bytes = o.max_inline.bytes;
   limits.max_chunks_per_call = o.max_chunks_per_call;

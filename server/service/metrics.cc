@@ -143,6 +143,14 @@ Metrics::Metrics(std::string version, std::string backend, uint64_t budget_bytes
                      .Help("Ranges stored below their first allowed format to fit the budget")
                      .Register(*registry_)
                      .Add({});
+  auto& estimated = prometheus::BuildHistogram()
+                        .Name("kvpack_estimated_relative_error")
+                        .Help("Estimated relative L2 error of a layer's output in each range's format, per range run")
+                        .Register(*registry_);
+  const std::vector<double> errors = Exponential(1e-4, 2.0, 14);  // 1e-4 .. ~0.8
+  for (int f = 0; f < kNumPageFormats; ++f) {
+    estimated_error_[f] = &estimated.Add({{"format", FormatName(static_cast<PageFormat>(f))}}, errors);
+  }
 }
 
 Metrics::~Metrics() = default;
@@ -174,5 +182,8 @@ void Metrics::AddTokens(PageFormat format, uint64_t tokens) {
   tokens_[static_cast<int>(format)]->Increment(static_cast<double>(tokens));
 }
 void Metrics::AddDowngrades(uint64_t ranges) { downgrades_->Increment(static_cast<double>(ranges)); }
+void Metrics::ObserveEstimatedError(PageFormat format, double rel_error) {
+  estimated_error_[static_cast<int>(format)]->Observe(rel_error);
+}
 
 }  // namespace kvpack::server

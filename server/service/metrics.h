@@ -72,6 +72,8 @@ class Metrics {
   void ObservePeakBytes(uint64_t bytes);
   void AddTokens(PageFormat format, uint64_t tokens);
   void AddDowngrades(uint64_t ranges);
+  // One range of a run: the pre-pass's estimated relative error of the layer in the range's format.
+  void ObserveEstimatedError(PageFormat format, double rel_error);
 
   // The exposition text of every family (what GET /metrics answers).
   std::string Render() const;
@@ -87,6 +89,7 @@ class Metrics {
   prometheus::Histogram* turn_wait_ = nullptr;
   std::array<prometheus::Counter*, kNumPageFormats> tokens_{};
   prometheus::Counter* downgrades_ = nullptr;
+  std::array<prometheus::Histogram*, kNumPageFormats> estimated_error_{};
 };
 
 }  // namespace kvpack::server

@@ -16,6 +16,7 @@ struct DaemonOptions {
   std::string auth_token_file;
   std::string tls_cert_file;
   std::string tls_key_file;
+  std::string policy_file;         // precision policies loaded at start (docs/policies.md)
   int threads = 2;                 // executor threads (layers running at once)
   int cpu_threads = 0;             // threads per CPU layer; 0: all cores
   int max_queue = 64;

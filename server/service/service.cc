@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/service/bounded.h"
+#include "server/core/policy_parse.h"
 #include "server/service/convert.h"
 #include "server/service/status_map.h"
 
@@ -113,12 +114,38 @@ grpc::ServerUnaryReactor* KvpackService::Plan(grpc::CallbackServerContext* conte
     absl::StatusOr<LayerRequest> layer = LayerRequestFromProto(header, has_bias, norm_len);
     if (!layer.ok()) return FinishUnary(context, kMethod, layer.status());
     if (absl::Status s = CheckLimits(layer->shape, limits_); !s.ok()) return FinishUnary(context, kMethod, s);
+    if (absl::Status s = engine_->policies().Resolve(&*layer); !s.ok()) return FinishUnary(context, kMethod, s);
+    if (request->has_sample()) {
+      if (absl::Status s = EstimateFromSampleProto(request->sample(), &*layer); !s.ok()) {
+        return FinishUnary(context, kMethod, s);
+      }
+    }
     absl::StatusOr<LayerPlan> plan = engine_->Plan(*tenant, *layer);
     if (!plan.ok()) return FinishUnary(context, kMethod, plan.status());
     response->set_fits(plan->fits);
     response->set_reason(plan->reason);
     PlanToProto(*plan, response->mutable_plan());
+    if (layer->estimate.present) {
+      EstimateToProto(layer->estimate, response->mutable_plan()->mutable_estimated_rel_error());
+    }
     return FinishUnary(context, kMethod, absl::OkStatus());
+  });
+}
+
+grpc::ServerUnaryReactor* KvpackService::RegisterPolicies(grpc::CallbackServerContext* context,
+                                                          const v1::RegisterPoliciesRequest* request,
+                                                          v1::RegisterPoliciesResponse* response) {
+  return Guarded(context, "RegisterPolicies", [&]() -> grpc::ServerUnaryReactor* {
+    constexpr char kMethod[] = "RegisterPolicies";
+    absl::StatusOr<std::string> tenant = Admit(*context);
+    if (!tenant.ok()) return FinishUnary(context, kMethod, tenant.status());
+    absl::StatusOr<std::vector<Policy>> policies = ParsePolicies(request->text());
+    if (!policies.ok()) {
+      return FinishUnary(context, kMethod,
+                         absl::InvalidArgumentError(absl::StrCat("text: ", policies.status().message())));
+    }
+    for (const Policy& p : *policies) response->add_names(p.name);
+    return FinishUnary(context, kMethod, engine_->policies().Add(std::move(*policies)));
   });
 }
 

@@ -65,6 +65,9 @@ class KvpackService final : public v1::Kvpack::CallbackService {
                                       v1::ReleaseResponse* response) override;
   grpc::ServerUnaryReactor* Plan(grpc::CallbackServerContext* context, const v1::PlanRequest* request,
                                  v1::PlanResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterPolicies(grpc::CallbackServerContext* context,
+                                             const v1::RegisterPoliciesRequest* request,
+                                             v1::RegisterPoliciesResponse* response) override;
   grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* context, const v1::StatusRequest* request,
                                    v1::StatusResponse* response) override;
   grpc::ServerUnaryReactor* RegisterRegion(grpc::CallbackServerContext* context,

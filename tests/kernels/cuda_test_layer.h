@@ -126,6 +126,9 @@ inline HostLayer MakeLayer(const Case& c) {
   cfg.transforms.rotate = cfg.transforms.smooth = cfg.transforms.balance = c.transforms;
   cfg.transforms.seed = 0x5eed0000ull + c.seed;
   cfg.transforms.stats_sample_tokens = 512;
+  // The CUDA backend does not make the per-head choice yet (kernels/cuda/layer.cc): the CPU reference
+  // keeps the options' set too, so that blocks compare code for code.
+  cfg.transforms.choose_per_head = false;
   if (c.norm) cfg.qk_norm = {true, 1e-6f, c.dim * c.heads};
   if (c.rope != RopeLayout::kNone) {
     cfg.rope.layout = c.rope;

@@ -183,8 +183,9 @@ TEST(Layer, WorkspaceIsExactlyWhatItUses) {
       L.config.stats = &stats;
     }
     const uint64_t hd = 64;
-    // Sample: 80·2·H·d bf16; projection: 50·2·H·d; queries: 120·H·d — the largest.
-    const uint64_t expected = std::max({own_stats ? 0 : 80 * 2 * hd * 2, 50 * 2 * hd * 2, 120 * hd * 2});
+    // Sample: 80·3·H·d bf16 (Q, K, V for the per-head choice) — the largest; projection: 50·2·H·d;
+    // queries: 120·H·d.
+    const uint64_t expected = std::max({own_stats ? 0 : 80 * 3 * hd * 2, 50 * 2 * hd * 2, 120 * hd * 2});
     ASSERT_EQ(WorkspaceBytes(L.config), expected);
     constexpr uint8_t kSentinel = 0xa5;
     constexpr size_t kGuard = 4096;

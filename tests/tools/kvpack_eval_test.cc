@@ -108,6 +108,23 @@ TEST_F(KvpackEval, SyntheticModeNeedsNoFiles) {
   EXPECT_GT(JsonNumber(r.out, "cosine"), 0.99);
 }
 
+TEST_F(KvpackEval, ReportsTheWorstHeadAndTheChoice) {
+  const ExecResult r = Exec("--synthetic 300:4:32:2 --data sinks --queries 40 --seed 5 --format int4");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\"data\": \"sinks\""), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(chosen)"), std::string::npos) << r.out;
+  const double worst = JsonNumber(r.out, "worst_head_cosine");
+  EXPECT_GT(worst, 0.0);
+  EXPECT_LE(worst, JsonNumber(r.out, "cosine"));
+  EXPECT_GE(JsonNumber(r.out, "worst_head"), 0);
+  EXPECT_LT(JsonNumber(r.out, "worst_head"), 4);
+  EXPECT_GT(JsonNumber(r.out, "estimated_rel_l2"), 0.0);
+  const ExecResult fixed = Exec("--synthetic 300:4:32:2 --data sinks --queries 40 --seed 5 --fixed-transforms");
+  ASSERT_EQ(fixed.code, 0) << fixed.out;
+  EXPECT_EQ(fixed.out.find("(chosen)"), std::string::npos) << fixed.out;
+  EXPECT_NE(fixed.out.find("\"choose_per_head\": false"), std::string::npos) << fixed.out;
+}
+
 TEST_F(KvpackEval, BadInputsExitWithCodeTwoAndSayWhy) {
   auto write_raw = [&](const std::string& name, const std::string& bytes) {
     std::ofstream(Path(name), std::ios::binary) << bytes;
@@ -153,6 +170,8 @@ TEST_F(KvpackEval, BadInputsExitWithCodeTwoAndSayWhy) {
       {q + k + v + " --format int3", "--format int3"},
       {q + k + v + " --scale -1", "--scale -1"},
       {" --synthetic 10:2", "N:H:d"},
+      {" --synthetic 10:2:16 --data spikes", "--data spikes"},
+      {q + k + v + " --data sinks", "--data only applies"},
       {" --bogus", "unknown argument"},
   };
   for (const auto& c : cases) {

@@ -7,6 +7,7 @@
 
 #include "kernels/cpu/layer.h"
 #include "kernels/layer_spec.h"
+#include "kernels/transform_choice.h"
 #include "tools/kvpack_eval/npy.h"
 
 namespace kvpack::tools {
@@ -59,17 +60,30 @@ bool AllFinite(const std::vector<float>& v) {
   return true;
 }
 
+// "k:smooth+balance v:half-smooth+balance (chosen)" and the like.
+std::string HeadFlagsText(uint32_t f) {
+  std::string k = (f & kHeadSmoothK) ? "smooth" : "none";
+  if (f & kHeadBalanceK) k += "+balance";
+  std::string v = (f & kHeadSmoothV) ? "smooth" : (f & kHeadSmoothVHalf) ? "half-smooth" : "none";
+  if (f & kHeadBalanceV) v += "+balance";
+  return "k:" + k + " v:" + v + ((f & kHeadChosen) ? " (chosen)" : "");
+}
+
 }  // namespace
 
 const char kEvalUsage[] =
     "usage: kvpack-eval (--q Q.npy --k K.npy --v V.npy | --synthetic N:H:d[:outlier_scale] [--queries M] [--seed S])\n"
-    "                   [--format int4|int8|bf16] [--no-rotate] [--no-smooth] [--no-balance] [--scale S] [--threads T]\n"
-    "Prints one JSON object: rel_l2 and cosine of packed attention vs FP64 unquantized attention.\n"
+    "                   [--data outliers|sinks|qknorm] [--format int4|int8|bf16] [--no-rotate] [--no-smooth]\n"
+    "                   [--no-balance] [--fixed-transforms] [--scale S] [--threads T]\n"
+    "Prints one JSON object: rel_l2 and cosine of packed attention vs FP64 unquantized attention, per head\n"
+    "and overall (mean cosine, worst head), the per-head transform choice and the estimated rel_l2.\n"
     "--no-rotate, --no-smooth, --no-balance switch off the format's transforms (balance: K and V channel\n"
-    "balancing, lambda and lambda_v); all three off is naive per-row quantization.\n";
+    "balancing, lambda and lambda_v); all three off is naive per-row quantization. --fixed-transforms\n"
+    "gives every head all allowed transforms instead of the per-head choice. --data picks the synthetic kind.\n";
 
 bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::string* error) {
   int64_t queries = -1;
+  bool data_given = false;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     auto value = [&](std::string* out) {
@@ -96,6 +110,14 @@ bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::st
       o->transforms.smooth = false;
     } else if (a == "--no-balance") {
       o->transforms.balance = false;
+    } else if (a == "--fixed-transforms") {
+      o->transforms.choose_per_head = false;
+    } else if (a == "--data") {
+      if (!value(&v)) return false;
+      if (!cpu::ParseSyntheticKind(v, &o->synthetic_options.kind)) {
+        return *error = "--data " + v + ": expected outliers, sinks or qknorm", false;
+      }
+      data_given = true;
     } else if (a == "--scale") {
       double s;
       if (!value(&v)) return false;
@@ -149,8 +171,8 @@ bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::st
   } else if (o->q_path.empty() || o->k_path.empty() || o->v_path.empty()) {
     *error = "give --q, --k and --v (or --synthetic N:H:d)";
     return false;
-  } else if (queries > 0) {
-    *error = "--queries only applies to --synthetic";
+  } else if (queries > 0 || data_given) {
+    *error = std::string(queries > 0 ? "--queries" : "--data") + " only applies to --synthetic";
     return false;
   }
   o->synthetic_options.softmax_scale = o->scale;
@@ -209,9 +231,10 @@ int RunEval(const EvalOptions& o, std::string* json, std::string* error) {
                           ref.data());
   std::vector<float> out(q.data.size());
   double bits = 0.0;
+  cpu::TransformRecord record;
   const Error e = cpu::AttendPackedFloat(q.data.data(), n_q, k.data.data(), v.data.data(), n_k, shape.n_heads,
                                          shape.head_dim, o.format, o.transforms, attention, cpu::CpuOptions{o.threads},
-                                         out.data(), &bits);
+                                         out.data(), &bits, &record);
   if (!e.ok()) return *error = e.message(), kExitInternal;
   const cpu::QualityResult r = cpu::CompareOutputs(ref.data(), out.data(), n_q, shape.n_heads, shape.head_dim);
 
@@ -220,17 +243,24 @@ int RunEval(const EvalOptions& o, std::string* json, std::string* error) {
   j << "{\"format\": \"" << FormatName(o.format) << "\", \"rotate\": " << (o.transforms.rotate ? "true" : "false")
     << ", \"smooth\": " << (o.transforms.smooth ? "true" : "false")
     << ", \"balance\": " << (o.transforms.balance ? "true" : "false")
+    << ", \"choose_per_head\": " << (o.transforms.choose_per_head ? "true" : "false")
     << ", \"scale\": " << Number(o.scale > 0.0f ? o.scale : 1.0 / std::sqrt(static_cast<double>(d)))
     << ", \"n_q\": " << n_q << ", \"n_k\": " << n_k << ", \"n_heads\": " << heads << ", \"head_dim\": " << d;
   if (o.synthetic) {
-    j << ", \"synthetic\": {\"outlier_scale\": " << Number(o.synthetic_options.outlier_scale)
+    j << ", \"synthetic\": {\"data\": \"" << cpu::SyntheticKindName(o.synthetic_options.kind)
+      << "\", \"outlier_scale\": " << Number(o.synthetic_options.outlier_scale)
       << ", \"seed\": " << o.synthetic_options.seed << "}";
   }
   j << ", \"bits_per_value\": " << Number(bits) << ", \"rel_l2\": " << Number(r.rel_l2)
-    << ", \"cosine\": " << Number(r.cosine) << ", \"heads\": [";
+    << ", \"cosine\": " << Number(r.cosine) << ", \"worst_head\": " << r.worst_head
+    << ", \"worst_head_cosine\": " << Number(r.worst_head_cosine)
+    << ", \"estimated_rel_l2\": " << Number(EstimatedRelError(record.head_estimates.data(), shape.n_heads, o.format))
+    << ", \"heads\": [";
   for (int h = 0; h < shape.n_heads; ++h) {
+    const float* est = record.head_estimates.data() + static_cast<int64_t>(h) * kHeadEstimateFields;
     j << (h ? ", " : "") << "{\"rel_l2\": " << Number(r.head_rel_l2[h]) << ", \"cosine\": " << Number(r.head_cosine[h])
-      << "}";
+      << ", \"transforms\": \"" << HeadFlagsText(record.head_flags[h]) << "\", \"estimated_rel_l2\": "
+      << Number(EstimatedRelError(est, 1, o.format)) << "}";
   }
   j << "]}";
   *json = j.str();

@@ -2,11 +2,14 @@
 // data) against FP64 unquantized attention, as one JSON object.
 //
 //   kvpack-eval --q Q.npy --k K.npy --v V.npy [--format int4|int8|bf16] [--no-rotate] [--no-smooth]
-//               [--no-balance] [--scale S] [--threads T]
-//   kvpack-eval --synthetic N:H:d[:outlier_scale] [--queries M] [--seed S] [same options]
+//               [--no-balance] [--fixed-transforms] [--scale S] [--threads T]
+//   kvpack-eval --synthetic N:H:d[:outlier_scale] [--data outliers|sinks|qknorm] [--queries M] [--seed S]
+//               [same options]
 //
 // --no-balance switches off both channel balancings (λ of K, λ_v of V); with all three --no-* flags
-// the format is naive per-row quantization.
+// the format is naive per-row quantization. --fixed-transforms turns off the per-head choice
+// (kernels/transform_choice.h). The JSON has rel_l2, the mean cosine, the worst head and its
+// cosine, the estimated rel_l2, and per head rel_l2, cosine, the kept transforms and the estimate.
 // Arrays are float32 C-order .npy of shape [N, H, d]; Q may have another N. Every query sees every
 // key (sequence id 0, not causal). Exit codes: 0 success, 2 bad arguments or input files (message on
 // stderr), 1 an internal failure.

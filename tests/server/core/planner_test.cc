@@ -179,6 +179,58 @@ TEST(Planner, IoBytesCount) {
 }
 
 // The MiniMax H3 shape of DESIGN.md §1; Plan must answer in well under a millisecond.
+// Error budgets (RangeRequest::max_rel_error) against an estimate of INT4 5%, INT8 0.4%, BF16 0.1%.
+LayerRequest BudgetRanges(double text, double reference, double generated) {
+  LayerRequest r = ThreeRanges();
+  const double budgets[] = {text, reference, generated};
+  for (int i = 0; i < 3; ++i) r.ranges[i].max_rel_error = budgets[i];
+  r.estimate.present = true;
+  r.estimate.rel_error[static_cast<int>(PageFormat::kInt4)] = 0.05;
+  r.estimate.rel_error[static_cast<int>(PageFormat::kInt8)] = 0.004;
+  r.estimate.rel_error[static_cast<int>(PageFormat::kBf16)] = 0.001;
+  return r;
+}
+
+TEST(Planner, ErrorBudgetPicksTheCheapestFormatThatMeetsIt) {
+  absl::StatusOr<LayerPlan> p = PlanLayer(BudgetRanges(1e-4, 0.01, 0.1), 1ull << 40, TestCosts());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->ranges[0].format, PageFormat::kBf16);  // nothing meets 1e-4: the most precise
+  EXPECT_EQ(p->ranges[1].format, PageFormat::kInt8);
+  EXPECT_EQ(p->ranges[2].format, PageFormat::kInt4);
+  EXPECT_EQ(p->downgrades, 0);
+  EXPECT_EQ(p->ranges[0].estimated_rel_error, 0.001);
+  EXPECT_EQ(p->ranges[1].estimated_rel_error, 0.004);
+  EXPECT_EQ(p->ranges[2].estimated_rel_error, 0.05);
+  // Exactly at the estimate meets the budget.
+  EXPECT_EQ(AllowedForErrorBudget(0.004, BudgetRanges(0, 0, 0).estimate),
+            (std::vector<PageFormat>{PageFormat::kInt8, PageFormat::kInt4}));
+}
+
+TEST(Planner, ErrorBudgetThenTheVramBudgetDecides) {
+  const LayerRequest r = BudgetRanges(0.002, 0.01, 0.1);  // BF16, INT8, INT4 by the estimate
+  const uint64_t roomy = KvAt(r, {PageFormat::kBf16, PageFormat::kInt8, PageFormat::kInt4});
+  const uint64_t ws64 = PoolBytes(64ull * r.shape.QkvCols() * 4);
+  absl::StatusOr<LayerPlan> p = PlanLayer(r, roomy + ws64 - 1, TestCosts());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_TRUE(p->fits);
+  EXPECT_GE(p->downgrades, 1);  // below the budget's format, reported like any downgrade
+  EXPECT_TRUE(p->ranges[0].downgraded || p->ranges[1].downgraded);
+  EXPECT_EQ(p->ranges[2].format, PageFormat::kInt4);
+  EXPECT_FALSE(p->ranges[2].downgraded);
+}
+
+TEST(Planner, ErrorBudgetNeedsAnEstimateAndAPositiveValue) {
+  LayerRequest r = BudgetRanges(0.0, 0.01, 0.0);
+  r.estimate.present = false;
+  absl::StatusOr<LayerPlan> p = PlanLayer(r, 1ull << 40, TestCosts());
+  ASSERT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(p.status().message().find("ranges[1].max_rel_error needs an error estimate"), std::string::npos);
+  r = BudgetRanges(0.0, -0.5, 0.0);
+  p = PlanLayer(r, 1ull << 40, TestCosts());
+  ASSERT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(p.status().message().find("ranges[1].max_rel_error = -0.5"), std::string::npos);
+}
+
 TEST(Planner, LongSequenceLatency) {
   LayerRequest r;
   r.shape = {152263, 7168, 56, 128};

@@ -1,7 +1,11 @@
 // Every RPC of kvpack.v1 against the real kvpackd (CPU backend) on loopback.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
 #include <thread>
 
 #include "tests/server/service/daemon_process.h"
@@ -78,6 +82,136 @@ TEST_F(DaemonTest, AttentionLayerMatchesTheLocalReferenceAndThePredictedPeak) {
   ASSERT_TRUE(c->ReleaseWeights(w->handle()).ok());
   EXPECT_EQ(c->ReleaseWeights(w->handle()).code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(c->Status()->pool_bytes(), 0u);
+}
+
+TEST_F(DaemonTest, ErrorEstimatesReportedAndErrorBudgetsResolved) {
+  auto c = daemon_.Connect();
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(SmallSpec(21));
+  absl::StatusOr<v1::WeightsResponse> w = c->RegisterWeights(WeightsOf(L));
+  ASSERT_TRUE(w.ok()) << w.status();
+  v1::LayerHeader h = L.header;
+  h.set_weights_handle(w->handle());
+  std::vector<uint16_t> out;
+  absl::StatusOr<v1::LayerResult> r = c->AttentionLayer(h, DataOf(L, &out));
+  ASSERT_TRUE(r.ok()) << r.status();
+  // The run's estimate (its own pre-pass), per format and per range in the range's format.
+  const v1::ErrorEstimate& e = r->estimated_rel_error();
+  EXPECT_GT(e.int4(), e.int8());
+  EXPECT_GT(e.int8(), e.bf16());
+  EXPECT_GT(e.bf16(), 0.0);
+  EXPECT_EQ(r->plan().ranges(0).estimated_rel_error(), e.bf16());
+  EXPECT_EQ(r->plan().ranges(1).estimated_rel_error(), e.int8());
+  EXPECT_EQ(r->plan().ranges(2).estimated_rel_error(), e.int4());
+
+  // That estimate resolves error budgets: the cheapest format that meets each.
+  v1::PlanRequest req;
+  *req.mutable_header() = h;
+  *req.mutable_header()->mutable_estimated_rel_error() = e;
+  const double budgets[] = {e.bf16() * 0.5, e.int8() * 1.01, e.int4() * 1.01};
+  for (int i = 0; i < 3; ++i) {
+    req.mutable_header()->mutable_ranges(i)->clear_allowed_formats();
+    req.mutable_header()->mutable_ranges(i)->set_max_rel_error(budgets[i]);
+  }
+  absl::StatusOr<v1::PlanResponse> p = c->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->plan().ranges(0).format(), v1::FORMAT_BF16);  // nothing meets half BF16's estimate
+  EXPECT_EQ(p->plan().ranges(1).format(), v1::FORMAT_INT8);
+  EXPECT_EQ(p->plan().ranges(2).format(), v1::FORMAT_INT4);
+  EXPECT_EQ(p->plan().estimated_rel_error().int8(), e.int8());
+
+  // Or a sample sent with Plan: float32 [n, H, d] Q, K and V.
+  req.mutable_header()->clear_estimated_rel_error();
+  const int64_t n = 100, values = n * 2 * 64;
+  std::vector<float> q(values), k(values), v(values);
+  for (int64_t i = 0; i < values; ++i) {
+    q[i] = static_cast<float>(std::sin(0.37 * i) + 0.1 * (i % 7));
+    k[i] = static_cast<float>(std::cos(0.11 * i) + 0.5 * (i % 64 == 3));
+    v[i] = static_cast<float>(std::sin(0.23 * i + 1.0) + 0.2);
+  }
+  v1::QkvSample* sample = req.mutable_sample();
+  sample->set_n_tokens(n);
+  sample->set_q(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 4));
+  sample->set_k(std::string(reinterpret_cast<const char*>(k.data()), k.size() * 4));
+  sample->set_v(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+  p = c->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_GT(p->plan().estimated_rel_error().int4(), p->plan().estimated_rel_error().bf16());
+  EXPECT_GT(p->plan().ranges(2).estimated_rel_error(), 0.0);
+  sample->set_k("short");
+  EXPECT_EQ(c->Plan(req).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(c->Plan(req).status().message().find("sample.k"), std::string::npos);
+  req.clear_sample();
+  p = c->Plan(req);  // a budget without any estimate
+  ASSERT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(p.status().message().find("max_rel_error needs an error estimate"), std::string::npos);
+  ASSERT_TRUE(c->ReleaseWeights(w->handle()).ok());
+}
+
+TEST(DaemonPolicies, FromTheFileAndTheApiResolveByBlockTimestepAndRole) {
+  const std::string path = ::testing::TempDir() + "/kvpack_policies.yaml";
+  std::ofstream(path) << "policies:\n"
+                         "  - name: dit\n"
+                         "    rules:\n"
+                         "      - blocks: [0, 1]\n"
+                         "        formats: [bf16]\n"
+                         "      - roles: text\n"
+                         "        timesteps: [500, 1000]\n"
+                         "        formats: [int8, int4]\n"
+                         "      - formats: [int4]\n";
+  DaemonProcess daemon({"--vram_budget=256Mi", "--policy_file=" + path});
+  ASSERT_TRUE(daemon.ok());
+  auto c = daemon.Connect();
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(SmallSpec());
+  v1::PlanRequest req;
+  *req.mutable_header() = L.header;
+  req.set_has_bias(true);
+  req.mutable_header()->mutable_options()->mutable_qk_norm()->set_weight_len(64);
+  const char* roles[] = {"text", "generated", "text"};
+  for (int i = 0; i < 3; ++i) {
+    req.mutable_header()->mutable_ranges(i)->set_role(roles[i]);
+    if (i < 2) req.mutable_header()->mutable_ranges(i)->clear_allowed_formats();  // range 2 keeps its own
+  }
+  req.mutable_header()->set_policy("dit");
+  req.mutable_header()->set_block_index(5);
+  req.mutable_header()->set_timestep(700);
+  absl::StatusOr<v1::PlanResponse> p = c->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->plan().ranges(0).format(), v1::FORMAT_INT8);  // the text rule
+  EXPECT_EQ(p->plan().ranges(1).format(), v1::FORMAT_INT4);  // the catch-all
+  EXPECT_EQ(p->plan().ranges(2).format(), v1::FORMAT_INT4);  // its own list ([INT4])
+  req.mutable_header()->set_block_index(1);
+  p = c->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->plan().ranges(0).format(), v1::FORMAT_BF16);  // the block rule comes first
+  EXPECT_EQ(p->plan().ranges(1).format(), v1::FORMAT_BF16);
+
+  // Registered over the API, then used; a bad text names its line; unknown names are NOT_FOUND.
+  grpc::ClientContext ctx;
+  c->Prepare(&ctx);
+  v1::RegisterPoliciesRequest reg;
+  reg.set_text("policies:\n  - name: all-int8\n    rules:\n      - formats: int8\n");
+  v1::RegisterPoliciesResponse names;
+  ASSERT_TRUE(c->stub()->RegisterPolicies(&ctx, reg, &names).ok());
+  ASSERT_EQ(names.names_size(), 1);
+  req.mutable_header()->set_policy("all-int8");
+  p = c->Plan(req);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->plan().ranges(0).format(), v1::FORMAT_INT8);
+  grpc::ClientContext bad_ctx;
+  c->Prepare(&bad_ctx);
+  reg.set_text("policies:\n  - name: x\n    rules:\n      - formats: int9\n");
+  const grpc::Status bad = c->stub()->RegisterPolicies(&bad_ctx, reg, &names);
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.error_message().find("line 4"), std::string::npos) << bad.error_message();
+  req.mutable_header()->set_policy("nope");
+  EXPECT_EQ(c->Plan(req).status().code(), absl::StatusCode::kNotFound);
+  req.mutable_header()->mutable_ranges(0)->set_role("video");
+  EXPECT_EQ(c->Plan(req).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // A bad file stops the daemon at start.
+  std::ofstream(path) << "policies:\n  - name: dit\n    rules:\n      - formats: [int4, fp3]\n";
+  DaemonProcess refused({"--policy_file=" + path});
+  EXPECT_FALSE(refused.ok());
 }
 
 TEST_F(DaemonTest, KeepKvProjectAttendAndRelease) {

@@ -215,7 +215,8 @@ TEST(Engine, StagesHostTensorsForDeviceBackends) {
   EXPECT_EQ(staged.peak, staged.plan.peak_bytes);
   EXPECT_EQ(staged.peak, direct.peak + staged.plan.io_bytes);
   EXPECT_EQ(fake->copied_in, x_bytes + positions_bytes);
-  EXPECT_EQ(fake->copied_out, out_bytes);
+  // The output, and the entry's per-head error estimates (16 bytes a head) after the projection.
+  EXPECT_EQ(fake->copied_out, out_bytes + uint64_t{kHeadEstimateFields} * sizeof(float) * shape.n_heads);
   EXPECT_NE(fake->last_out, nullptr);
   EXPECT_EQ(engine.pool().Snapshot().high_water, testing::WeightsPoolBytes(L) + staged.peak);
   EXPECT_EQ(engine.pool().Snapshot().allocated, 0u);
@@ -303,7 +304,7 @@ TEST(Engine, StagesProjectedInputsAsWholeSpans) {
   EXPECT_EQ(direct.plan.workspace_bytes, PoolBytes(2ull * direct.plan.query_chunk * hd));  // no GEMM rows
   EXPECT_EQ(staged.peak, staged.plan.peak_bytes);
   EXPECT_EQ(fake->copied_in, 3 * span);
-  EXPECT_EQ(fake->copied_out, out_bytes);
+  EXPECT_EQ(fake->copied_out, out_bytes + uint64_t{kHeadEstimateFields} * sizeof(float) * heads);
   EXPECT_EQ(fake->project_calls, 1);
   EXPECT_EQ(engine.pool().Snapshot().high_water, staged.peak);
   EXPECT_EQ(reference.pool().Snapshot().high_water, direct.peak);
