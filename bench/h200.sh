@@ -22,7 +22,7 @@
 # daemon: from `shared/tools/bundle-binaries BUNDLE kvpackd daemon_ipc_bench bench_layer cuda_daemon_test
 #   cuda_layer_test cuda_interleave_test`: the CUDA kernel and daemon tests, one layer through kvpackd with
 #   CUDA IPC next to the same layer called directly (N = 32768 and H3, in place too), the chunk-interleaving
-#   test, and (WHEELS=.whl: grpcio/protobuf/pytest wheels; stubs generated beforehand into
+#   test (QUICK=1: N = 32768 only), and (WHEELS=.whl: grpcio/protobuf wheels; stubs generated beforehand into
 #   client/python/kvpack/v1) the Python tests of kvpack.torch: CUDA IPC by segment, stream order,
 #   torch.compile, ComfyUI's model when KVPACK_COMFYUI_DIR names a checkout (FIGURE lines in the summary).
 set -uo pipefail
@@ -158,6 +158,7 @@ run_daemon() {
   for _ in $(seq 1 200); do grep -q "listening on" "$LOGS/kvpackd.log" && break; sleep 0.05; done
   head -3 "$LOGS/kvpackd.log" | tee -a "$SUMMARY"
   local cases=("--n=32768 --in_place=0" "--n=152263 --in_place=0" "--n=152263 --in_place=1")
+  [[ -n "${QUICK:-}" ]] && cases=("--n=32768 --in_place=0")  # QUICK=1: no H3-sized layers
   for args in "${cases[@]}"; do
     "$B/bin/daemon_ipc_bench" --server=127.0.0.1:50551 --hidden=7168 --heads=56 --dim=128 --format=int4 --reps=2 $args \
       2>>"$LOGS/daemon_bench.err" | tee -a "$OUT/daemon.jsonl"
