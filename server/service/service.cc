@@ -88,30 +88,35 @@ grpc::ServerUnaryReactor* KvpackService::ReleaseKv(grpc::CallbackServerContext* 
   return FinishUnary(context, "ReleaseKv", engine_->registry().ReleaseKv(*tenant, request->handle()));
 }
 
+absl::Status PlanCall(Engine& engine, const std::string& tenant, const ServiceLimits& limits,
+                      const v1::PlanRequest& request, v1::PlanResponse* response) {
+  const v1::LayerHeader& header = request.header();
+  bool has_bias = request.has_bias();
+  int norm_len = header.options().qk_norm().weight_len();
+  if (!header.weights_handle().empty()) {
+    absl::StatusOr<std::shared_ptr<WeightsEntry>> w =
+        engine.registry().GetWeights(tenant, header.weights_handle(), "header.weights_handle");
+    if (!w.ok()) return w.status();
+    has_bias = (*w)->has_bias;
+    norm_len = (*w)->norm_len;
+  }
+  absl::StatusOr<LayerRequest> layer = LayerRequestFromProto(header, has_bias, norm_len);
+  if (!layer.ok()) return layer.status();
+  if (absl::Status s = CheckLimits(layer->shape, limits); !s.ok()) return s;
+  absl::StatusOr<LayerPlan> plan = engine.Plan(tenant, *layer);
+  if (!plan.ok()) return plan.status();
+  response->set_fits(plan->fits);
+  response->set_reason(plan->reason);
+  PlanToProto(*plan, response->mutable_plan());
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* KvpackService::Plan(grpc::CallbackServerContext* context, const v1::PlanRequest* request,
                                               v1::PlanResponse* response) {
   constexpr char kMethod[] = "Plan";
   absl::StatusOr<std::string> tenant = Admit(*context);
   if (!tenant.ok()) return FinishUnary(context, kMethod, tenant.status());
-  const v1::LayerHeader& header = request->header();
-  bool has_bias = request->has_bias();
-  int norm_len = header.options().qk_norm().weight_len();
-  if (!header.weights_handle().empty()) {
-    absl::StatusOr<std::shared_ptr<WeightsEntry>> w =
-        engine_->registry().GetWeights(*tenant, header.weights_handle(), "header.weights_handle");
-    if (!w.ok()) return FinishUnary(context, kMethod, w.status());
-    has_bias = (*w)->has_bias;
-    norm_len = (*w)->norm_len;
-  }
-  absl::StatusOr<LayerRequest> layer = LayerRequestFromProto(header, has_bias, norm_len);
-  if (!layer.ok()) return FinishUnary(context, kMethod, layer.status());
-  if (absl::Status s = CheckLimits(layer->shape, limits_); !s.ok()) return FinishUnary(context, kMethod, s);
-  absl::StatusOr<LayerPlan> plan = engine_->Plan(*tenant, *layer);
-  if (!plan.ok()) return FinishUnary(context, kMethod, plan.status());
-  response->set_fits(plan->fits);
-  response->set_reason(plan->reason);
-  PlanToProto(*plan, response->mutable_plan());
-  return FinishUnary(context, kMethod, absl::OkStatus());
+  return FinishUnary(context, kMethod, PlanCall(*engine_, *tenant, limits_, *request, response));
 }
 
 grpc::ServerUnaryReactor* KvpackService::Status(grpc::CallbackServerContext* context, const v1::StatusRequest*,
