@@ -23,6 +23,7 @@
 #include "server/backends/backend.h"
 #include "server/core/clock.h"
 #include "server/core/executor.h"
+#include "server/core/fault_injector.h"
 #include "server/core/planner.h"
 #include "server/core/pool.h"
 #include "server/core/scheduler.h"
@@ -41,6 +42,9 @@ struct EngineOptions {
   int64_t max_chunk_tokens = 16384;  // cap on Tp and Tq: the CPU backend stops between chunks
   uint64_t tenant_quota_bytes = 0;  // 0: none; caps each tenant's pool bytes (weights, kept K/V, plans)
   std::string version = "0.1.0";
+  // Tests only (server/core/fault_injector.h): fails chosen pool allocations, shm maps and device
+  // calls. Null in the daemon. REQUIRES: outlives the Engine.
+  FaultInjector* faults = nullptr;
 };
 
 enum class LayerMode { kFull, kProject, kAttend };

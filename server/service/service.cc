@@ -181,7 +181,7 @@ grpc::ServerUnaryReactor* KvpackService::RegisterRegion(grpc::CallbackServerCont
   switch (request->kind()) {
     case v1::REGION_SHM: {
       absl::StatusOr<std::shared_ptr<Region>> region =
-          MapShmRegion(*tenant, request->shm_name(), request->size_bytes());
+          MapShmRegion(*tenant, request->shm_name(), request->size_bytes(), engine_->options().faults);
       if (!region.ok()) return FinishUnary(context, kMethod, region.status());
       response->set_region_id((*region)->id());
       response->set_lease_seconds(absl::ToDoubleSeconds(engine_->registry().lease()));
