@@ -16,11 +16,11 @@ namespace {
 constexpr auto kSettle = std::chrono::milliseconds(10000);
 constexpr uint64_t kUploadChunk = 256ull << 10;
 
-// Pre-projected q, k, v of N = 256 tokens, 40 heads of 128: the output (2.5 MiB) streams back in
+// Pre-projected q, k, v of N = 64 tokens, 160 heads of 128: the output (2.5 MiB) streams back in
 // two chunks, and the layer runs long enough (~0.1–1 s) to be caught running.
 struct Layer {
-  static constexpr int64_t kTokens = 256;
-  static constexpr int kHeads = 40, kHeadDim = 128;
+  static constexpr int64_t kTokens = 64;
+  static constexpr int kHeads = 160, kHeadDim = 128;
   v1::LayerHeader header;
   std::string qkv[3];
   uint64_t out_bytes = 2ull * kTokens * kHeads * kHeadDim;
