@@ -5,6 +5,7 @@
 // the site's documented code at the step that made the call, every other step before it succeeding;
 // the pool must hold nothing afterwards; and the same daemon must then run the cycle cleanly.
 #include <gtest/gtest.h>
+#include <malloc.h>
 
 #include <cstring>
 #include <string>
@@ -21,6 +22,18 @@ using server::FaultInjector;
 using server::FaultSite;
 
 constexpr auto kSettle = std::chrono::milliseconds(5000);
+// Host memory outside the pool: the same faulted cycle kHostCycles times must not grow the heap by
+// more than kHostSlackBytes. One cycle's heap moves by up to ~230 KB either way (gRPC's caches,
+// glibc's bins; measured 2026-12-03), while a host buffer left behind per cycle (x and the output
+// of a call are 300 x 128 bf16 = 75 KiB each) would add ≥ 1.1 MiB.
+constexpr int kHostCycles = 16;
+constexpr int64_t kHostSlackBytes = 512 << 10;
+
+// Bytes the process has allocated on the heap (glibc; 0 under ASan, whose allocator does not say).
+int64_t HostHeapBytes() {
+  const struct mallinfo2 m = mallinfo2();
+  return static_cast<int64_t>(m.uordblks + m.hblkhd);
+}
 
 // The documented answer to each site's fault (docs/reliability.md).
 absl::StatusCode DocumentedCode(FaultSite site) {
@@ -114,9 +127,15 @@ TEST_P(FaultTest, EveryCallOfTheSiteFailsCleanly) {
     InProcessDaemon daemon(&faults);
     ASSERT_TRUE(daemon.ok());
     auto c = daemon.Connect();
+    // The same fault once before measuring: what the daemon allocates the first time it answers
+    // this error (metric series for the code, gRPC's caches) is not a per-request cost.
+    faults.FailNth(site, n);
+    RunCycle(*c, L, **shm);
+    ASSERT_TRUE(daemon.PoolEmptyWithin(kSettle));
+    const int64_t host_before = HostHeapBytes();
     faults.FailNth(site, n);
     const std::vector<Step> steps = RunCycle(*c, L, **shm);
-    EXPECT_EQ(faults.Injected(site), 1u);
+    EXPECT_EQ(faults.Injected(site), 2u);  // the warm-up and this one
     int failed = 0;
     for (const Step& s : steps) {
       if (s.status.ok()) continue;
@@ -132,6 +151,15 @@ TEST_P(FaultTest, EveryCallOfTheSiteFailsCleanly) {
     absl::StatusOr<v1::StatusResponse> status = c->Status();
     ASSERT_TRUE(status.ok()) << status.status();
     EXPECT_EQ(status->weights_handles() + status->kv_handles() + status->shm_regions(), 0);
+    if (host_before > 0) {  // glibc's heap (ASan's allocator reports none; LeakSanitizer checks there)
+      for (int k = 1; k < kHostCycles; ++k) {
+        faults.FailNth(site, n);
+        RunCycle(*c, L, **shm);
+      }
+      ASSERT_TRUE(daemon.PoolEmptyWithin(kSettle));
+      EXPECT_LE(HostHeapBytes() - host_before, kHostSlackBytes)
+          << "host heap grew over " << kHostCycles << " cycles with this fault";
+    }
     // A device fault is sticky (health NOT_SERVING, as on the GPU); the others leave it serving.
     EXPECT_EQ(status->serving(), site != FaultSite::kDeviceCall);
 
