@@ -35,6 +35,11 @@ constexpr float kBf16RelTolerance = 1.0f / 256;
 // rounding errs by up to half of that whatever the value (found by page_fuzz: 3.2e-43 → 0).
 constexpr float kBf16SubnormalHalfStep = 0x1p-134f;
 constexpr float kMaxInput = 30000.0f;  // below fp16's 65504 with room for max − min
+// INT8 rows with max|x| < 127·2^-14 ≈ 7.8e-3 get a subnormal fp16 scale, rounded to nearest: when it
+// rounds down, the largest codes clip at ±127, by up to 127 half-ulps of a subnormal (2^-25) =
+// 3.8e-6 absolute (found by page_fuzz: -1.1e-5 decodes to -8e-6). The encoder's contract today;
+// rounding the scale up (CPU and CUDA encoders together) would remove it — see bench/RESULTS.md.
+constexpr float kInt8SubnormalScaleClip = 127 * 0x1p-25f;
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "page_fuzz: %s\n", what.c_str());
@@ -191,7 +196,8 @@ void RowRoundTrip(Reader& in) {
     for (int i = 0; i < d; ++i) {
       const float tolerance = format == PageFormat::kBf16
                                   ? std::fmax(std::fabs(x[i]) * kBf16RelTolerance, kBf16SubnormalHalfStep)
-                                  : step + kMetaRelTolerance * amax + kAbsTolerance;
+                                  : step + kMetaRelTolerance * amax + kAbsTolerance +
+                                        (format == PageFormat::kInt8 ? kInt8SubnormalScaleClip : 0.0f);
       if (!(std::fabs(y[i] - x[i]) <= tolerance)) {
         Fail("format " + std::to_string(f) + " d " + std::to_string(d) + ": x[" + std::to_string(i) + "] = " +
              std::to_string(x[i]) + " decodes to " + std::to_string(y[i]));
