@@ -1,10 +1,11 @@
 // Fuzz target: one whole AttentionLayer call through the real service (gRPC reactor, conversion,
 // limits, planner, scheduler, executor, CPU backend) on an in-process channel.
 //
-// Input: one flags byte, then a serialized v1::LayerHeader. The harness registers weights that
-// match the header's shape (flags: bias, QK-norm weights of d or H·d, whether the header names
-// them), streams every inline tensor the header declares (seeded bf16/f32 data, never zeros), reads
-// the result and the output, releases what the call kept, and checks:
+// Input: one flags byte, then a v1::LayerHeader (wire bytes, or 't' + text format: ParseInput).
+// The harness registers weights that match the header's shape (flags: bias, QK-norm weights of d
+// or H·d, whether the header names them), streams every inline tensor the header declares (seeded
+// bf16/f32 data, never zeros), reads the result and the output, releases what the call kept, and
+// checks:
 //   * the call ends with a code a client can act on — never UNKNOWN, INTERNAL or a hang (the
 //     deadline below is ~100x a call's worst time at these sizes);
 //   * an OK call returns its whole output (N·H·d bf16 when inline) and peak == predicted peak;
@@ -21,6 +22,9 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/text_format.h"
 #include "kvpack/v1/kvpack.grpc.pb.h"
 #include "server/backends/cpu_backend.h"
 #include "server/service/service.h"
@@ -258,6 +262,23 @@ class Harness {
 };
 
 }  // namespace
+
+// Wire bytes, or after a leading 't' protobuf text (see plan_fuzz.cc: text mutates numbers inside
+// nested messages far more easily).
+bool ParseInput(const uint8_t* data, size_t size, google::protobuf::Message* out) {
+  if (size > 0 && data[0] == 't') {
+    struct Quiet : google::protobuf::io::ErrorCollector {
+      void AddError(int, int, const std::string&) override {}
+    } quiet;  // a malformed text is just an input to skip, not worth a log line per exec
+    google::protobuf::TextFormat::Parser parser;
+    parser.AllowPartialMessage(true);
+    parser.RecordErrorsTo(&quiet);
+    google::protobuf::io::ArrayInputStream in(data + 1, static_cast<int>(size - 1));
+    return parser.Parse(&in, out);
+  }
+  return out->ParseFromArray(data, static_cast<int>(size));
+}
+
 }  // namespace kvpack::server
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -266,7 +287,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static auto* harness = new kvpack::server::Harness();
   if (size < 1) return 0;
   kvpack::v1::LayerHeader header;
-  if (!header.ParseFromArray(data + 1, static_cast<int>(size - 1))) return 0;
+  if (!kvpack::server::ParseInput(data + 1, size - 1, &header)) return 0;
   uint64_t seed = 0x9e3779b97f4a7c15ull;
   for (size_t i = 0; i < size; ++i) seed = (seed ^ data[i]) * 0x100000001b3ull;
   harness->Run(data[0], std::move(header), seed);

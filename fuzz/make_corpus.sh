@@ -10,12 +10,16 @@ proto_root=$here/../proto
 encode() { protoc --proto_path="$proto_root" --encode="$1" kvpack/v1/kvpack.proto <"$2"; }
 mkdir -p "$here"/corpus/{plan_fuzz,layer_fuzz,page_fuzz,npy_fuzz}
 
+# Each seed twice: wire bytes, and 't' + the text itself (plan_fuzz.cc ParseInput).
 for f in "$here"/seeds/plan_*.textproto; do
   encode kvpack.v1.PlanRequest "$f" >"$here/corpus/plan_fuzz/$(basename "$f" .textproto)"
+  { printf t; grep -v '^#' "$f"; } >"$here/corpus/plan_fuzz/$(basename "$f" .textproto).txt"
 done
 for f in "$here"/seeds/layer_*.textproto; do
   flags=$(sed -n 's/^# flags 0x\([0-9a-f][0-9a-f]\).*/\1/p' "$f")
   { printf "\\x$flags"; encode kvpack.v1.LayerHeader "$f"; } >"$here/corpus/layer_fuzz/$(basename "$f" .textproto)"
+  { printf "\\x$flags"; printf t; grep -v '^#' "$f"; } >"$here/corpus/layer_fuzz/$(basename "$f" .textproto).txt"
+  { printf 'theader {\n'; grep -v '^#' "$f"; printf '}\n'; } >"$here/corpus/plan_fuzz/$(basename "$f" .textproto).txt"
   # Each layer seed is a plan seed too (PlanRequest.header is field 1, length-delimited).
   encode kvpack.v1.LayerHeader "$f" | python3 -c '
 import sys
