@@ -32,7 +32,9 @@ for t in "${targets[@]}"; do
   fi
   # -timeout: one exec past 60 s is a hang (layer_fuzz's calls take milliseconds; its own call
   # deadline is 30 s). -rss_limit_mb: ASan's shadow plus gRPC's threads stay well below 4 GiB.
-  if ! "$bin" "$work" "$here/fuzz/corpus/$t" -max_total_time="$seconds" -timeout=60 -rss_limit_mb=4096 \
+  dict=()
+  [ -f "$here/fuzz/$t.dict" ] && dict=(-dict="$here/fuzz/$t.dict")
+  if ! "$bin" "$work" "$here/fuzz/corpus/$t" "${dict[@]}" -max_total_time="$seconds" -timeout=60 -rss_limit_mb=4096 \
        -print_final_stats=1 -artifact_prefix="$artifacts/$t-" >"$log" 2>&1; then
     tail -60 "$log"
     echo "fuzz: $t FAILED; the input is in $artifacts" >&2
