@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Installs what kvpack needs on a fresh Debian 12 machine; idempotent (does nothing when all is there).
-#   Debian: compilers and CMake, gRPC, protobuf, Abseil, prometheus-cpp, GoogleTest, Prometheus, ccache
+#   Debian: compilers and CMake, gRPC, protobuf, Abseil, prometheus-cpp, GoogleTest, Prometheus, ccache,
+#           clang with its sanitizer and libFuzzer runtimes (scripts/sanitize.sh, scripts/fuzz.sh)
 #   PyPI:   the Python client's build and test tools (client/python)
 # The CUDA toolkit is optional: where /usr/local/cuda/bin/nvcc exists the kernels are built too.
 set -euo pipefail
 
 debs=(build-essential cmake ninja-build pkg-config ccache
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
-      prometheus-cpp-dev libgtest-dev libgmock-dev prometheus python3-pip python3-venv)
+      prometheus-cpp-dev libgtest-dev libgmock-dev prometheus python3-pip python3-venv
+      clang libclang-rt-14-dev)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

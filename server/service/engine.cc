@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/transform_choice.h"
+#include "server/backends/faulty_backend.h"
 
 namespace kvpack::server {
 namespace {
@@ -42,11 +43,23 @@ std::array<uint64_t, kNumPageFormats> KvFormatBytes(const LayerConfig& config) {
   return out;
 }
 
+namespace {
+
+// The backend's arena; with fault injection, one whose allocations fail on demand (host memory on a
+// backend that reads it, else the device's VMM mappings).
+std::unique_ptr<Arena> ArenaOf(Backend& backend, FaultInjector* faults) {
+  std::unique_ptr<Arena> arena = backend.CreateArena();
+  if (faults == nullptr) return arena;
+  return WithFaults(std::move(arena), faults, backend.ReadsHostMemory() ? FaultSite::kHostAlloc : FaultSite::kVmmMap);
+}
+
+}  // namespace
+
 Engine::Engine(EngineOptions options, std::unique_ptr<Backend> backend, const Clock* clock)
     : options_(std::move(options)),
       clock_(clock),
-      backend_(std::move(backend)),
-      pool_(std::make_unique<Pool>(options_.budget_bytes, backend_->CreateArena())),
+      backend_(options_.faults ? WithDeviceFaults(std::move(backend), options_.faults) : std::move(backend)),
+      pool_(std::make_unique<Pool>(options_.budget_bytes, ArenaOf(*backend_, options_.faults))),
       registry_(clock, options_.lease, options_.registry),
       inline_budget_(options_.max_inline_bytes_in_flight) {
   scheduler_ = std::make_unique<Scheduler>(options_.scheduler, pool_.get(), clock_);

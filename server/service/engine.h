@@ -23,6 +23,7 @@
 #include "server/backends/backend.h"
 #include "server/core/clock.h"
 #include "server/core/executor.h"
+#include "server/core/fault_injector.h"
 #include "server/core/planner.h"
 #include "server/core/policy.h"
 #include "server/core/pool.h"
@@ -46,6 +47,9 @@ struct EngineOptions {
   uint64_t max_inline_bytes_in_flight = 4ull << 30;  // host bytes of inline tensors of all calls (inline_budget.h)
   RegistryLimits registry;
   std::string version = "0.1.0";
+  // Tests only (server/core/fault_injector.h): fails chosen pool allocations, shm maps and device
+  // calls. Null in the daemon. REQUIRES: outlives the Engine.
+  FaultInjector* faults = nullptr;
 };
 
 enum class LayerMode { kFull, kProject, kAttend };

@@ -361,7 +361,7 @@ RegistryCounts Registry::TenantCounts(const std::string& tenant) const {
 }
 
 absl::StatusOr<std::shared_ptr<Region>> MapShmRegion(const std::string& tenant, const std::string& name,
-                                                     uint64_t size) {
+                                                     uint64_t size, FaultInjector* faults) {
   if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos || name.size() > 255) {
     return absl::InvalidArgumentError(
         absl::StrCat("shm_name = \"", Bounded(name), "\": expected \"/name\" (one leading slash, no other, ≤ 255 chars)"));
@@ -383,7 +383,12 @@ absl::StatusOr<std::shared_ptr<Region>> MapShmRegion(const std::string& tenant, 
     return absl::InvalidArgumentError(absl::StrCat("size_bytes = ", size, " exceeds the object's size (",
                                                    static_cast<uint64_t>(st.st_size), " bytes)"));
   }
-  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* base = MAP_FAILED;
+  if (faults != nullptr && faults->ShouldFail(FaultSite::kShmMap)) {
+    errno = ENOMEM;  // what the kernel answers when the address space or mapping count runs out
+  } else {
+    base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
   if (base == MAP_FAILED) {
     const int err = errno;
     close(fd);

@@ -29,6 +29,7 @@
 #include "absl/time/time.h"
 #include "kernels/layer_spec.h"
 #include "server/core/clock.h"
+#include "server/core/fault_injector.h"
 #include "server/core/pool.h"
 
 namespace kvpack::server {
@@ -192,8 +193,10 @@ class Registry {
   std::map<std::string, int> handles_by_tenant_;  // kept with weights_ and kv_
 };
 
-// Maps the POSIX shared-memory object `name` ("/name", shm_open rules) for `size` bytes.
+// Maps the POSIX shared-memory object `name` ("/name", shm_open rules) for `size` bytes. `faults`
+// (tests) can fail the map as mmap does when memory runs out (RESOURCE_EXHAUSTED).
 absl::StatusOr<std::shared_ptr<Region>> MapShmRegion(const std::string& tenant, const std::string& name,
-                                                     uint64_t size);
+                                                     uint64_t size,
+                                                     FaultInjector* faults = nullptr);
 
 }  // namespace kvpack::server

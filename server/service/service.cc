@@ -95,40 +95,41 @@ grpc::ServerUnaryReactor* KvpackService::ReleaseKv(grpc::CallbackServerContext* 
   return FinishUnary(context, "ReleaseKv", engine_->registry().ReleaseKv(*tenant, request->handle()));
 }
 
+absl::Status PlanCall(Engine& engine, const std::string& tenant, const ServiceLimits& limits,
+                      const v1::PlanRequest& request, v1::PlanResponse* response) {
+  const v1::LayerHeader& header = request.header();
+  bool has_bias = request.has_bias();
+  int norm_len = header.options().qk_norm().weight_len();
+  if (!header.weights_handle().empty()) {
+    absl::StatusOr<std::shared_ptr<WeightsEntry>> w =
+        engine.registry().GetWeights(tenant, header.weights_handle(), "header.weights_handle");
+    if (!w.ok()) return w.status();
+    has_bias = (*w)->has_bias;
+    norm_len = (*w)->norm_len;
+  }
+  absl::StatusOr<LayerRequest> layer = LayerRequestFromProto(header, has_bias, norm_len);
+  if (!layer.ok()) return layer.status();
+  if (absl::Status s = CheckLimits(layer->shape, limits); !s.ok()) return s;
+  if (absl::Status s = engine.policies().Resolve(&*layer); !s.ok()) return s;
+  if (request.has_sample()) {
+    if (absl::Status s = EstimateFromSampleProto(request.sample(), &*layer); !s.ok()) return s;
+  }
+  absl::StatusOr<LayerPlan> plan = engine.Plan(tenant, *layer);
+  if (!plan.ok()) return plan.status();
+  response->set_fits(plan->fits);
+  response->set_reason(plan->reason);
+  PlanToProto(*plan, response->mutable_plan());
+  if (layer->estimate.present) EstimateToProto(layer->estimate, response->mutable_plan()->mutable_estimated_rel_error());
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* KvpackService::Plan(grpc::CallbackServerContext* context, const v1::PlanRequest* request,
                                               v1::PlanResponse* response) {
   return Guarded(context, "Plan", [&]() -> grpc::ServerUnaryReactor* {
     constexpr char kMethod[] = "Plan";
     absl::StatusOr<std::string> tenant = Admit(*context);
     if (!tenant.ok()) return FinishUnary(context, kMethod, tenant.status());
-    const v1::LayerHeader& header = request->header();
-    bool has_bias = request->has_bias();
-    int norm_len = header.options().qk_norm().weight_len();
-    if (!header.weights_handle().empty()) {
-      absl::StatusOr<std::shared_ptr<WeightsEntry>> w =
-          engine_->registry().GetWeights(*tenant, header.weights_handle(), "header.weights_handle");
-      if (!w.ok()) return FinishUnary(context, kMethod, w.status());
-      has_bias = (*w)->has_bias;
-      norm_len = (*w)->norm_len;
-    }
-    absl::StatusOr<LayerRequest> layer = LayerRequestFromProto(header, has_bias, norm_len);
-    if (!layer.ok()) return FinishUnary(context, kMethod, layer.status());
-    if (absl::Status s = CheckLimits(layer->shape, limits_); !s.ok()) return FinishUnary(context, kMethod, s);
-    if (absl::Status s = engine_->policies().Resolve(&*layer); !s.ok()) return FinishUnary(context, kMethod, s);
-    if (request->has_sample()) {
-      if (absl::Status s = EstimateFromSampleProto(request->sample(), &*layer); !s.ok()) {
-        return FinishUnary(context, kMethod, s);
-      }
-    }
-    absl::StatusOr<LayerPlan> plan = engine_->Plan(*tenant, *layer);
-    if (!plan.ok()) return FinishUnary(context, kMethod, plan.status());
-    response->set_fits(plan->fits);
-    response->set_reason(plan->reason);
-    PlanToProto(*plan, response->mutable_plan());
-    if (layer->estimate.present) {
-      EstimateToProto(layer->estimate, response->mutable_plan()->mutable_estimated_rel_error());
-    }
-    return FinishUnary(context, kMethod, absl::OkStatus());
+    return FinishUnary(context, kMethod, PlanCall(*engine_, *tenant, limits_, *request, response));
   });
 }
 
@@ -215,7 +216,7 @@ grpc::ServerUnaryReactor* KvpackService::RegisterRegion(grpc::CallbackServerCont
     switch (request->kind()) {
       case v1::REGION_SHM: {
         absl::StatusOr<std::shared_ptr<Region>> region =
-            MapShmRegion(*tenant, request->shm_name(), request->size_bytes());
+            MapShmRegion(*tenant, request->shm_name(), request->size_bytes(), engine_->options().faults);
         if (!region.ok()) return FinishUnary(context, kMethod, region.status());
         response->set_region_id((*region)->id());
         response->set_lease_seconds(absl::ToDoubleSeconds(engine_->registry().lease()));

@@ -31,6 +31,11 @@ absl::Status CheckLimits(const LayerShape& shape, const ServiceLimits& limits);
 // The RESOURCE_EXHAUSTED of a call that sent more than max_chunks_per_call chunks.
 absl::Status TooManyChunks(const ServiceLimits& limits);
 
+// The Plan RPC's work for `tenant`, without gRPC (the handler and fuzz/plan_fuzz.cc call it): the
+// header converted, checked against `limits`, planned; the response filled when the status is OK.
+absl::Status PlanCall(Engine& engine, const std::string& tenant, const ServiceLimits& limits,
+                      const v1::PlanRequest& request, v1::PlanResponse* response);
+
 class KvpackService final : public v1::Kvpack::CallbackService {
  public:
   KvpackService(Engine* engine, Auth auth, ServiceLimits limits);
