@@ -40,6 +40,10 @@ void ApplyPolicy(const Policy& policy, LayerRequest* request) {
 
 absl::Status PolicyRegistry::Add(std::vector<Policy> policies) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (policies_.size() + policies.size() > kMaxRegisteredPolicies) {
+    return absl::ResourceExhaustedError(absl::StrCat("policies: ", policies_.size(), " registered + ", policies.size(),
+                                                     " new > ", kMaxRegisteredPolicies, " (the daemon's limit)"));
+  }
   for (const Policy& p : policies) {
     if (policies_.count(p.name) != 0) return absl::AlreadyExistsError(absl::StrCat("policy \"", p.name, "\" exists"));
   }

@@ -55,8 +55,12 @@ const PolicyRule* MatchRule(const Policy& policy, int block, double timestep, co
 // `policy` at request->block_index and request->timestep; the others are left alone.
 void ApplyPolicy(const Policy& policy, LayerRequest* request);
 
-// The daemon's policies: loaded at start (--policy_file) and registered over the API.
-// Thread-safe.
+// Policies one daemon holds at most (they live until it exits, shared by all tenants): every
+// RegisterPolicies call is bounded by the parser's limits, this bounds them all together.
+inline constexpr size_t kMaxRegisteredPolicies = 1024;
+
+// The daemon's policies: loaded at start (--policy_file) and registered over the API; at most
+// kMaxRegisteredPolicies (RESOURCE_EXHAUSTED beyond). Thread-safe.
 class PolicyRegistry {
  public:
   // Adds `policies`; ALREADY_EXISTS naming the first name already present (nothing is added then).

@@ -13,8 +13,11 @@
 namespace kvpack::server {
 namespace {
 
+// Messages quote the text they refuse; a line may be as long as the whole text (1 MiB), so the quote
+// is cut at kMaxPolicyErrorChars (the service echoes no unbounded client input).
 absl::Status LineError(int line, const std::string& what) {
-  return absl::InvalidArgumentError(absl::StrCat("line ", line, ": ", what));
+  if (what.size() <= kMaxPolicyErrorChars) return absl::InvalidArgumentError(absl::StrCat("line ", line, ": ", what));
+  return absl::InvalidArgumentError(absl::StrCat("line ", line, ": ", what.substr(0, kMaxPolicyErrorChars), "…"));
 }
 
 // "[a, b]" → {"a", "b"}; "a" → {"a"}; "[]" → {}.

@@ -29,6 +29,7 @@ namespace kvpack::server {
 inline constexpr size_t kMaxPolicyTextBytes = 1 << 20;
 inline constexpr size_t kMaxPolicies = 256;
 inline constexpr size_t kMaxPolicyRules = 4096;
+inline constexpr size_t kMaxPolicyErrorChars = 200;  // of an error message after "line N: "
 
 // The policies of `text`, validated; INVALID_ARGUMENT naming the line otherwise.
 absl::StatusOr<std::vector<Policy>> ParsePolicies(absl::string_view text);

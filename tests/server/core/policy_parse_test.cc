@@ -85,5 +85,13 @@ TEST(PolicyParse, BadTextNamesTheLine) {
   EXPECT_FALSE(ParsePolicies(std::string(kMaxPolicyTextBytes + 1, ' ')).ok());
 }
 
+TEST(PolicyParse, ErrorsQuoteABoundedPartOfTheLine) {
+  const std::string text = "policies:\n  - name: " + std::string(100000, 'x') + "\n";
+  const absl::Status s = ParsePolicies(text).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LE(s.message().size(), kMaxPolicyErrorChars + 32);
+  EXPECT_NE(s.message().find("line 2"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvpack::server

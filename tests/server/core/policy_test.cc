@@ -80,5 +80,22 @@ TEST(Policy, RegistryResolvesByNameAndRefusesDuplicates) {
   EXPECT_NE(s.message().find("header.policy"), std::string::npos);
 }
 
+TEST(Policy, RegistryHoldsAtMostItsLimit) {
+  PolicyRegistry registry;
+  std::vector<Policy> batch;
+  for (size_t i = 0; i < kMaxRegisteredPolicies; ++i) {
+    Policy p = Parsed();
+    p.name = "p" + std::to_string(i);
+    batch.push_back(std::move(p));
+  }
+  ASSERT_TRUE(registry.Add(std::move(batch)).ok());
+  Policy one_more = Parsed();
+  one_more.name = "over";
+  const absl::Status s = registry.Add({one_more});
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("limit"), std::string::npos);
+  EXPECT_EQ(registry.size(), kMaxRegisteredPolicies);
+}
+
 }  // namespace
 }  // namespace kvpack::server
