@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "tests/server/service/daemon_process.h"
+#include "tests/server/service/sanitizer_build.h"
 #include "tests/server/service/test_layers.h"
 
 namespace kvpack::testing {
@@ -124,7 +125,9 @@ class ExecutorQueueTest : public ::testing::Test {
     L_ = client::MakeSyntheticLayer(spec);
     const uint64_t budget = WeightsPoolBytes(L_) + 4 * LayerPeakBytes(L_, 256);
     daemon_ = std::make_unique<DaemonProcess>(std::vector<std::string>{
-        "--vram_budget=" + std::to_string(budget), "--max_chunk_tokens=256", "--threads=1"});
+        "--vram_budget=" + std::to_string(budget), "--max_chunk_tokens=256", "--threads=1",
+        // The running layer must finish inside the drain (~2 s here; 10x that under ASan).
+        "--drain_seconds=" + std::to_string(30 * kSanitizerSlowdown)});
     ASSERT_TRUE(daemon_->ok());
     c_ = daemon_->Connect();
     absl::StatusOr<v1::WeightsResponse> w = c_->RegisterWeights(WeightsOf(L_));

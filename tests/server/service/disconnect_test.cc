@@ -9,11 +9,12 @@
 #include <vector>
 
 #include "tests/server/service/in_process_daemon.h"
+#include "tests/server/service/sanitizer_build.h"
 
 namespace kvpack::testing {
 namespace {
 
-constexpr auto kSettle = std::chrono::milliseconds(10000);
+constexpr auto kSettle = std::chrono::milliseconds(10000 * kSanitizerSlowdown);  // a chunk ends first
 constexpr uint64_t kUploadChunk = 256ull << 10;
 
 // Pre-projected q, k, v of N = 64 tokens, 160 heads of 128: the output (2.5 MiB) streams back in

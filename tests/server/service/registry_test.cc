@@ -83,8 +83,8 @@ TEST(Registry, EntriesInUseAreNotReaped) {
 
 TEST(Registry, UnregisterWaitsForUsersAndSlicesAreBoundsChecked) {
   ManualClock clock;
-  Registry r(&clock, absl::Seconds(10));
   int unmapped = 0;
+  Registry r(&clock, absl::Seconds(10));
   auto region = FakeRegion("t", &unmapped);
   const std::string id = region->id();
   ASSERT_TRUE(r.AddRegion(std::move(region)).ok());
@@ -107,9 +107,9 @@ TEST(Registry, UnregisterWaitsForUsersAndSlicesAreBoundsChecked) {
 }
 
 TEST(Registry, RegionsAreBoundedPerTenantAndPerDaemon) {
+  int unmapped = 0;  // outlives the registry, whose regions count into it when they go
   ManualClock clock;
   Registry r(&clock, absl::Seconds(10), RegistryLimits{/*max_regions=*/3, /*max_regions_per_tenant=*/2});
-  int unmapped = 0;
   ASSERT_TRUE(r.AddRegion(FakeRegion("a", &unmapped)).ok());
   auto second = FakeRegion("a", &unmapped);
   const std::string second_id = second->id();
