@@ -3,6 +3,7 @@
 // drains and exits 0). Also a minimal HTTP GET for /metrics.
 #pragma once
 
+#include <algorithm>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -22,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/server/service/sanitizer_build.h"
 #include "client/client.h"
 
 #ifndef KVPACKD_PATH
@@ -32,7 +34,8 @@ namespace kvpack::testing {
 
 class DaemonProcess {
  public:
-  // Extra flags are appended to --listen=127.0.0.1:0 --metrics_address=127.0.0.1:0 --cpu_threads=1.
+  // Extra flags are appended to --listen=127.0.0.1:0 --metrics_address=127.0.0.1:0 --cpu_threads=1
+  // (and --drain_seconds=30, ×kSanitizerSlowdown, unless they give one).
   // `address_space` > 0 caps the daemon's virtual memory (RLIMIT_AS), so large allocations fail.
   explicit DaemonProcess(std::vector<std::string> flags, uint64_t address_space = 0) {
     int out[2];
@@ -50,6 +53,10 @@ class DaemonProcess {
       const char* binary = getenv("KVPACKD") != nullptr ? getenv("KVPACKD") : KVPACKD_PATH;
       std::vector<std::string> args = {binary, "--listen=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
                                        "--cpu_threads=1"};
+      // A sanitizer build runs layers ~10x slower: in-flight work gets as much longer to drain.
+      const bool drain_given = std::any_of(flags.begin(), flags.end(),
+                                           [](const std::string& f) { return f.rfind("--drain_seconds", 0) == 0; });
+      if (!drain_given) args.push_back("--drain_seconds=" + std::to_string(30 * kSanitizerSlowdown));
       args.insert(args.end(), flags.begin(), flags.end());
       std::vector<char*> argv;
       for (std::string& a : args) argv.push_back(a.data());
