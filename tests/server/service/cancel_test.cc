@@ -52,7 +52,7 @@ TEST_F(CancelTest, DeadlineMidLayer) {
   std::vector<uint16_t> out;
   absl::StatusOr<v1::LayerResult> r = c_->AttentionLayer(header_, DataOf(L_, &out), absl::Milliseconds(150));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
-  EXPECT_TRUE(WaitFor([&] { return Idle(); }, std::chrono::milliseconds(5000)));
+  EXPECT_TRUE(WaitFor([&] { return Idle(); }, std::chrono::milliseconds(5000 * kSanitizerSlowdown)));
   EXPECT_TRUE(WaitFor([&] {
     return Sample(daemon_->Metrics(), "kvpack_requests_total{code=\"DEADLINE_EXCEEDED\",method=\"AttentionLayer\"}") == 1.0;
   }));
@@ -86,7 +86,7 @@ TEST_F(CancelTest, ClientCancelsMidLayer) {
   }));
   context.TryCancel();
   EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  EXPECT_TRUE(WaitFor([&] { return Idle(); }, std::chrono::milliseconds(5000)));
+  EXPECT_TRUE(WaitFor([&] { return Idle(); }, std::chrono::milliseconds(5000 * kSanitizerSlowdown)));
 }
 
 TEST_F(CancelTest, DeadlineAndCancelWhileWaitingForMemory) {
@@ -104,10 +104,12 @@ TEST_F(CancelTest, DeadlineAndCancelWhileWaitingForMemory) {
   std::vector<uint16_t> out2;
   absl::StatusOr<v1::LayerResult> waited;
   std::thread second([&] { waited = other->AttentionLayer(h, DataOf(L_, &out2), absl::Milliseconds(250)); });
-  EXPECT_TRUE(WaitFor([&] { return c_->Status()->queue_depth() == 1; }, std::chrono::milliseconds(250)));
+  EXPECT_TRUE(WaitFor([&] { return c_->Status()->queue_depth() == 1; },
+                      std::chrono::milliseconds(250 * kSanitizerSlowdown)));
   second.join();
   EXPECT_EQ(waited.status().code(), absl::StatusCode::kDeadlineExceeded) << waited.status();
-  EXPECT_TRUE(WaitFor([&] { return c_->Status()->queue_depth() == 0; }, std::chrono::milliseconds(1000)));
+  EXPECT_TRUE(WaitFor([&] { return c_->Status()->queue_depth() == 0; },
+                      std::chrono::milliseconds(1000 * kSanitizerSlowdown)));
   t.join();
   EXPECT_TRUE(first.ok()) << first.status();
   ASSERT_TRUE(other->ReleaseWeights(w->handle()).ok());

@@ -148,7 +148,8 @@ inline double Sample(const std::string& text, const std::string& series) {
 
 // Polls `pred` every 20 ms up to `timeout`.
 template <typename Pred>
-bool WaitFor(Pred pred, std::chrono::milliseconds timeout = std::chrono::milliseconds(10000)) {
+bool WaitFor(Pred pred,
+             std::chrono::milliseconds timeout = std::chrono::milliseconds(10000 * kSanitizerSlowdown)) {
   const auto end = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < end) {
     if (pred()) return true;
