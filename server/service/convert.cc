@@ -255,6 +255,7 @@ absl::Status EstimateFromSampleProto(const v1::QkvSample& sample, LayerRequest* 
     const std::string* bytes;
     const char* name;
   } parts[] = {{&sample.q(), "sample.q"}, {&sample.k(), "sample.k"}, {&sample.v(), "sample.v"}};
+  if (want == 0) return absl::InvalidArgumentError("sample: holds no token (n_tokens, n_heads and head_dim must be positive)");
   std::vector<float> values[3];
   for (int i = 0; i < 3; ++i) {
     if (parts[i].bytes->size() != want) {
