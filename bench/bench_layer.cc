@@ -1,7 +1,7 @@
 // bench_layer: one attention layer of the CUDA engine on seeded inputs (bench_inputs.h).
 //
 //   bench_layer --n=32768 --hidden=7168 --heads=56 --dim=128 --format=int4 [--in_place=1] [--reps=3]
-//               [--tp=4096] [--tq=4096] [--tiling=auto|tall|wide|wgmma] [--rows_out=/tmp/rows.bin] [--gemm=1]
+//               [--tp=4096] [--tq=4096] [--tiling=auto|tall|wide|wgmma] [--mma=auto|bf16|int8] [--rows_out=/tmp/rows.bin] [--gemm=1]
 //               [--digest=1]
 //
 // Prints one JSON line: median layer time over --reps timed runs (inputs refilled before each, so an
@@ -94,6 +94,8 @@ int main(int argc, char** argv) {
   // the layer runs a smaller chunk as it is, so 4096 would leave its last wave 58% idle).
   config.query_chunk = std::stoll(get("tq", "4224"));
   config.in_place = in_place;
+  const std::string mma = get("mma", "auto");
+  config.attention.mma = mma == "int8" ? MmaPath::kInt8 : mma == "bf16" ? MmaPath::kBf16 : MmaPath::kAuto;
   CHECK_OK(cuda::Supported(config));
 
   cuda::CudaContext ctx;
@@ -219,13 +221,14 @@ int main(int argc, char** argv) {
       "\"layer_ms\": %.3f, \"stats_ms\": %.3f, \"kv_gemm_ms\": %.3f, \"kv_epilogue_ms\": %.3f, \"q_gemm_ms\": %.3f, "
       "\"q_epilogue_ms\": %.3f, \"attention_ms\": %.3f, \"attention_tflops\": %.1f, \"projection_ms\": %.3f, "
       "\"unchunked_gemm_ms\": %.3f, \"projection_all_ms\": %.3f, \"qkv_gemm_ms\": %.3f, \"layer_gib\": %.4f, \"kv_gib\": %.4f, \"workspace_gib\": %.4f, "
-      "\"measured_alloc_gib\": %.4f, \"tp\": %lld, \"tq\": %lld, \"tiling\": \"%s\"%s}\n",
+      "\"measured_alloc_gib\": %.4f, \"tp\": %lld, \"tq\": %lld, \"tiling\": \"%s\", \"mma\": \"%s\"%s}\n",
       static_cast<long long>(n), hidden, heads, dim, fmt.c_str(), in_place ? 1 : 0, layer_ms, st.stats_ms,
       st.kv_gemm_ms, st.kv_epilogue_ms, st.q_gemm_ms, st.q_epilogue_ms, st.attention_ms,
       flops / (st.attention_ms * 1e-3) / 1e12, projection_ms, gemm_ms, projection_all_ms, qkv_gemm_ms,
       layer_bytes / 1073741824.0,
       kv_bytes / 1073741824.0, ws_bytes / 1073741824.0, (free_before - free_after) / 1073741824.0,
-      static_cast<long long>(config.projection_chunk), static_cast<long long>(config.query_chunk), tiling.c_str(), digests);
+      static_cast<long long>(config.projection_chunk), static_cast<long long>(config.query_chunk), tiling.c_str(),
+      MmaPathName(cuda::LayerMmaPath(config, ctx.attention_tiling)), digests);
   cudaFree(x);
   cudaFree(w);
   cublasLtDestroy(ctx.blas);

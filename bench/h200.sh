@@ -13,6 +13,7 @@
 #     BASE=tree        a baseline tree (e.g. .wt/base from `git archive`): built and run the same way in
 #                      the same run; its digests are compared with this tree's (DIGESTS: same / DIFFER)
 #     EXPERIMENTS="nodecode noexp nopingpong"  this tree built with -DKVPACK_SM90_EXPERIMENT=… (timing only)
+#     MMA="int8"       bench_layer again with --mma=int8 (the INT8 MMA path, mma_path.h) over INT4/INT8 pages
 #     TORCH=1          PyTorch (x·Wᵀ + SDPA cuDNN / FlashAttention) on the same inputs, errors vs FP32
 #     H3=1             the MiniMax H3 layer (N = 152,263) too
 #     SANITIZE=1       compute-sanitizer memcheck over small layer cases
@@ -86,6 +87,10 @@ run_kernels() {
     [[ -n "${BASE:-}" ]] && bench base /tmp/kb-base 32768 $shape
   done
   [[ -n "${BASE:-}" ]] && bench new2 /tmp/kb-new 32768 56 128 int4  # the spread of one tree between calls
+  for m in ${MMA:-}; do
+    for shape in "56 128 int4" "56 128 int8" "112 64 int4"; do bench "mma-$m" /tmp/kb-new 32768 $shape "--mma=$m"; done
+    [[ -n "${H3:-}" ]] && bench "mma-$m" /tmp/kb-new 152263 56 128 int4 "--mma=$m"
+  done
   for pid in "${exp_pids[@]}"; do wait "$pid" || say "an experiment build failed"; done
   for e in ${EXPERIMENTS:-}; do for f in int4 bf16; do bench "$e" "/tmp/kb-$e" 32768 56 128 $f; done; done
   for tq in ${TQ_SWEEP:-}; do bench "tq$tq" /tmp/kb-new 32768 56 128 int4 "--tq=$tq"; done
@@ -101,7 +106,7 @@ run_kernels() {
   fi
   if [[ -n "${SANITIZE:-}" ]]; then
     timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 /tmp/kb-new/tests/kernels/cuda_layer_test \
-      --gtest_filter='*Int4OneSequence*:*MixedFormatsSequences*:*Bf16Causal*:*MixedFormatsWide*' >"$LOGS/sanitizer.log" 2>&1
+      --gtest_filter='*Int4OneSequence*:*MixedFormatsSequences*:*Bf16Causal*:*MixedFormatsWide*:*Int8Mma*' >"$LOGS/sanitizer.log" 2>&1
     say "compute-sanitizer memcheck exit $?: $(grep 'ERROR SUMMARY' "$LOGS/sanitizer.log" | tail -1)"
   fi
   local ncu; ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -166,8 +166,10 @@ void EntryOverArbitraryBytes(Reader& in) {
   }
   std::vector<float> out(q.size());
   const float scale = cpu::EffectiveScale(AttentionOptions{}, shape.head_dim);
-  for (int h = 0; h < shape.n_heads; ++h) {
-    cpu::AttendTile(view, h, cpu::QueryTile{q.data(), seq.data(), pos.data(), n}, causal, scale, out.data());
+  for (MmaPath mma : {MmaPath::kBf16, MmaPath::kInt8}) {  // both paths' logits (mma_path.h)
+    for (int h = 0; h < shape.n_heads; ++h) {
+      cpu::AttendTile(view, h, cpu::QueryTile{q.data(), seq.data(), pos.data(), n}, causal, scale, mma, out.data());
+    }
   }
 }
 

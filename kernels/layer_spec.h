@@ -10,6 +10,7 @@
 
 #include "kernels/error.h"
 #include "kernels/format.h"
+#include "kernels/mma_path.h"
 
 namespace kvpack {
 
@@ -77,6 +78,7 @@ struct TransformOptions {
 struct AttentionOptions {
   float softmax_scale = 0.0f;  // 0 means 1/√head_dim
   bool causal = false;         // key position ≤ query position (token index), within a sequence
+  MmaPath mma = MmaPath::kAuto;  // tensor-core arithmetic of the attention (mma_path.h)
 };
 
 // Where pre-projected Q, K and V rows sit (LayerConfig::projected): element c of head h of token t

@@ -33,6 +33,16 @@ struct PageCodec<PageFormat::kInt4> {
     memcpy(&m, meta, sizeof(m));
     DecodeRowInt4(codes, m, head_dim, out);
   }
+  // The row as integers: x̂_c = lo + code_c · scale, code_c in 0…15 (the INT8 MMA path's K operand).
+  static constexpr bool kIntegerCodes = true;
+  KVPACK_HD static void IntegerRow(const uint8_t* codes, const uint8_t* meta, int head_dim, int8_t* out, float* scale,
+                                   float* lo) {
+    Meta m;
+    memcpy(&m, meta, sizeof(m));
+    for (int i = 0; i < head_dim; ++i) out[i] = static_cast<int8_t>(i & 1 ? codes[i / 2] >> 4 : codes[i / 2] & 0xf);
+    *scale = HalfToFloat(m.scale);
+    *lo = HalfToFloat(m.lo);
+  }
 };
 
 template <>
@@ -49,6 +59,16 @@ struct PageCodec<PageFormat::kInt8> {
     Meta m;
     memcpy(&m, meta, sizeof(m));
     DecodeRowInt8(reinterpret_cast<const int8_t*>(codes), m, head_dim, out);
+  }
+  // x̂_c = code_c · scale, code_c in −127…127; lo = 0.
+  static constexpr bool kIntegerCodes = true;
+  KVPACK_HD static void IntegerRow(const uint8_t* codes, const uint8_t* meta, int head_dim, int8_t* out, float* scale,
+                                   float* lo) {
+    Meta m;
+    memcpy(&m, meta, sizeof(m));
+    memcpy(out, codes, head_dim);
+    *scale = HalfToFloat(m.scale);
+    *lo = 0.0f;
   }
 };
 
@@ -68,6 +88,9 @@ struct PageCodec<PageFormat::kBf16> {
       out[i] = Bf16ToFloat(b);
     }
   }
+  // Values, not integer codes: BF16 pages always take bf16 MMAs.
+  static constexpr bool kIntegerCodes = false;
+  KVPACK_HD static void IntegerRow(const uint8_t*, const uint8_t*, int, int8_t*, float*, float*) {}
 };
 
 // ── Sizes of a runtime format ───────────────────────────────────────────────────────────────────
@@ -117,6 +140,21 @@ KVPACK_HD inline void DecodePageRow(PageFormat f, const uint8_t* page, int head_
     using Codec = PageCodec<decltype(tag)::kFormat>;
     Codec::DecodeRow(page + slot * Codec::CodeBytes(head_dim),
                      page + MetaOffset(decltype(tag)::kFormat, head_dim) + slot * Codec::kMetaBytes, head_dim, out);
+  });
+}
+
+// Whether rows of format f are integer codes with a per-row scale and offset (IntegerPageRow).
+KVPACK_HD constexpr bool HasIntegerCodes(PageFormat f) {
+  return DispatchFormat(f, [](auto tag) { return PageCodec<decltype(tag)::kFormat>::kIntegerCodes; });
+}
+// Row `slot` as integer codes: x̂_c = lo + out[c] · scale. REQUIRES: HasIntegerCodes(f).
+KVPACK_HD inline void IntegerPageRow(PageFormat f, const uint8_t* page, int head_dim, int slot, int8_t* out, float* scale,
+                                     float* lo) {
+  DispatchFormat(f, [&](auto tag) {
+    using Codec = PageCodec<decltype(tag)::kFormat>;
+    Codec::IntegerRow(page + slot * Codec::CodeBytes(head_dim),
+                      page + MetaOffset(decltype(tag)::kFormat, head_dim) + slot * Codec::kMetaBytes, head_dim, out,
+                      scale, lo);
   });
 }
 

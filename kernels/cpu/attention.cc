@@ -8,6 +8,7 @@
 #include "kernels/cpu/layer.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/format.h"
+#include "kernels/page_codec.h"
 #include "kernels/rotation.h"
 #include "kernels/visibility.h"
 
@@ -23,13 +24,45 @@ float Dot(const float* a, const float* b, int n) {
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
 
+int32_t IntDot(const int8_t* a, const int8_t* b, int n) {  // exact, as the INT8 MMA accumulates
+  int32_t s = 0;
+  for (int i = 0; i < n; ++i) s += static_cast<int32_t>(a[i]) * b[i];
+  return s;
+}
+
+// A tile's queries as the INT8 MMA path sees them (mma_path.h): codes, s_q, and Σ_c q̂_c.
+struct QuantizedQueries {
+  int8_t codes[kQueryTile * kMaxHeadDimCpu];
+  float scale[kQueryTile];
+  float sum[kQueryTile];
+};
+void QuantizeQueries(const QueryTile& tile, int d, QuantizedQueries* out) {
+  for (int i = 0; i < tile.n; ++i) {
+    const float* q = tile.q + i * d;
+    float amax = 0.0f, sum = 0.0f;
+    for (int c = 0; c < d; ++c) amax = std::max(amax, std::fabs(q[c])), sum += q[c];
+    const QueryScale s = QueryScaleOf(amax);
+    for (int c = 0; c < d; ++c) out->codes[i * d + c] = QueryCode(q[c], s);
+    out->scale[i] = s.scale;
+    out->sum[i] = sum;
+  }
+}
+
 }  // namespace
+
+bool HasBf16Pages(const KvEntryView& kv) {
+  for (int i = 0; i < kv.n_pages; ++i) {
+    if (static_cast<PageFormat>(kv.pages[i].format) == PageFormat::kBf16) return true;
+  }
+  return false;
+}
 
 float EffectiveScale(const AttentionOptions& attention, int head_dim) {
   return attention.softmax_scale > 0.0f ? attention.softmax_scale : 1.0f / sqrtf(static_cast<float>(head_dim));
 }
 
-void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool causal, float scale, float* out) {
+void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool causal, float scale, MmaPath mma,
+                float* out) {
   // Preconditions: 1 ≤ tile.n ≤ kQueryTile, d ≤ kMaxHeadDimCpu.
   const int d = kv.head_dim;
   const int n = tile.n;
@@ -46,6 +79,11 @@ void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool cau
   float k_page[kPageTokens * kMaxHeadDimCpu];  // [64, d] decoded K̂
   float v_page[kPageTokens * kMaxHeadDimCpu];  // [64, d] decoded V̂
   float p[kPageTokens];                        // one query's probabilities for the page
+  // The INT8 MMA path: K rows as integer codes with their row scale and offset, the queries quantized.
+  int8_t k_codes[kPageTokens * kMaxHeadDimCpu];
+  float k_scale[kPageTokens], k_lo[kPageTokens];
+  QuantizedQueries qq;
+  if (mma == MmaPath::kInt8) QuantizeQueries(tile, d, &qq);
   for (int pg = 0; pg < kv.n_pages; ++pg) {
     const PageDesc& page = kv.pages[pg];
     bool seen = false;  // by some query of the tile (a page no query sees is skipped before its decode)
@@ -56,14 +94,23 @@ void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool cau
     const uint8_t* k_bytes = kv.pool + kv.k_offsets[index];
     const uint8_t* v_bytes = kv.pool + kv.v_offsets[index];
     const int valid = page.n_valid;
-    for (int j = 0; j < valid; ++j) DecodePageRow(format, k_bytes, d, j, k_page + j * d);
+    const bool int8_qk = mma == MmaPath::kInt8 && HasIntegerCodes(format);  // BF16 pages: bf16 MMAs
+    for (int j = 0; j < valid; ++j) {
+      if (int8_qk) {
+        IntegerPageRow(format, k_bytes, d, j, k_codes + j * d, &k_scale[j], &k_lo[j]);
+      } else {
+        DecodePageRow(format, k_bytes, d, j, k_page + j * d);
+      }
+    }
     bool v_decoded = false;
     for (int i = 0; i < n; ++i) {
       const float* q = tile.q + i * d;
       float page_max = -std::numeric_limits<float>::infinity();
       for (int j = 0; j < valid; ++j) {
         if (visibility.KeyVisible(page, j, tile.seq_ids[i], tile.positions[i])) {
-          p[j] = scale * Dot(q, k_page + j * d, d);
+          p[j] = int8_qk ? scale * (qq.scale[i] * k_scale[j] * static_cast<float>(IntDot(qq.codes + i * d, k_codes + j * d, d)) +
+                                    qq.sum[i] * k_lo[j])
+                         : scale * Dot(q, k_page + j * d, d);
           page_max = std::max(page_max, p[j]);
         } else {
           p[j] = -std::numeric_limits<float>::infinity();
@@ -119,6 +166,7 @@ Error AttendFloat(const KvEntryView& kv, const QueryBlock& queries, const Attent
   const int d = kv.head_dim;
   const int heads = kv.n_heads;
   const float scale = EffectiveScale(attention, d);
+  const MmaPath mma = ResolveMmaPath(attention.mma, HasBf16Pages(kv));
   const int64_t n_tiles = (queries.n_q + kQueryTile - 1) / kQueryTile;
   ParallelFor(options.n_threads, n_tiles * heads, [&](int64_t item) {
     const int64_t first = (item / heads) * kQueryTile;
@@ -136,7 +184,7 @@ Error AttendFloat(const KvEntryView& kv, const QueryBlock& queries, const Attent
       seq[i] = queries.seq_ids ? queries.seq_ids[t] : 0;
       pos[i] = queries.positions ? queries.positions[t] : t;
     }
-    AttendTile(kv, h, QueryTile{q, seq, pos, n}, attention.causal, scale, o);
+    AttendTile(kv, h, QueryTile{q, seq, pos, n}, attention.causal, scale, mma, o);
     for (int i = 0; i < n; ++i) std::copy(o + i * d, o + (i + 1) * d, out + ((first + i) * heads + h) * d);
   });
   return Error::Ok();

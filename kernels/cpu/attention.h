@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "kernels/layer_spec.h"
+#include "kernels/mma_path.h"
 
 namespace kvpack::cpu {
 
@@ -35,7 +36,13 @@ struct QueryTile {
 // Softmax scale actually used: attention.softmax_scale, or 1/sqrt(d) when it is 0.
 float EffectiveScale(const AttentionOptions& attention, int head_dim);
 
-// out[i·d + c] = attention output of query i for head `head`, channel c (fp32, final form).
-void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool causal, float scale, float* out);
+// Whether any page of the entry is BF16 (which keeps a layer on bf16 MMAs: ResolveMmaPath).
+bool HasBf16Pages(const KvEntryView& kv);
+
+// out[i·d + c] = attention output of query i for head `head`, channel c (fp32, final form). `mma` is the
+// resolved path (ResolveMmaPath): kInt8 computes the logits of INT4/INT8 pages as the GPU's INT8 MMA
+// path does (queries quantized per row, integer dot products with the K codes; mma_path.h).
+void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool causal, float scale, MmaPath mma,
+                float* out);
 
 }  // namespace kvpack::cpu

@@ -297,6 +297,7 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
       }
     });
     // Attention: tiles of kQueryTile queries × one head; writes out rows [begin, begin + rows).
+    const MmaPath mma = ResolveMmaPath(config.attention.mma, HasBf16Pages(kv));
     const int64_t n_tiles = (rows + kQueryTile - 1) / kQueryTile;
     ParallelFor(threads, n_tiles * heads, [&](int64_t item) {
       const int64_t first = (item / heads) * kQueryTile;  // row inside the chunk
@@ -313,7 +314,7 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
         seq[i] = config.ranges[map.RangeOf(t)].seq_id;
         pos[i] = t;
       }
-      AttendTile(kv, h, QueryTile{q, seq, pos, count}, config.attention.causal, scale, o);
+      AttendTile(kv, h, QueryTile{q, seq, pos, count}, config.attention.causal, scale, mma, o);
       for (int i = 0; i < count; ++i) {
         uint16_t* dst = tensors.out + (begin + first + i) * hd + static_cast<int64_t>(h) * d;
         for (int c = 0; c < d; ++c) dst[c] = FloatToBf16(o[i * d + c]);

@@ -48,10 +48,18 @@ Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingCh
   return Error::Ok();
 }
 
+bool TilingHasInt8Mma(AttentionTilingChoice tiling) { return Resolve(tiling) == AttentionTilingChoice::kWgmma; }
+
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream) {
   KVPACK_RETURN_IF_ERROR(AttentionSupported(params.kv));
   if (params.n_q == 0) return Error::Ok();
   const AttentionTilingChoice tiling = Resolve(params.tiling);
+  if (params.mma != MmaPath::kBf16 && params.mma != MmaPath::kInt8) {
+    return InvalidArgument("attention: mma path " + std::string(MmaPathName(params.mma)) + " is not resolved");
+  }
+  if (params.mma == MmaPath::kInt8 && !TilingHasInt8Mma(tiling)) {
+    return Unsupported("attention: the INT8 MMA path runs on the wgmma kernel only");
+  }
   if (tiling == AttentionTilingChoice::kWgmma) return LaunchAttentionSm90(params, stream);
   return LaunchAttentionSm80(params, tiling, stream);
 }

@@ -24,6 +24,7 @@
 #include "kernels/error.h"
 #include "kernels/format.h"
 #include "kernels/layer_spec.h"
+#include "kernels/mma_path.h"
 #include "kernels/visibility.h"
 
 namespace kvpack::cuda {
@@ -50,6 +51,9 @@ struct AttentionParams {
   Visibility visibility;         // which keys each query sees (kernels/visibility.h)
   int max_page_bytes = 0;        // largest page of the entry's formats (sizes the raw stages)
   AttentionTilingChoice tiling = AttentionTilingChoice::kAuto;
+  // The resolved MMA path (ResolveMmaPath: kBf16 or kInt8). kInt8 runs on the wgmma kernel only and
+  // REQUIRES that no page is BF16 (LaunchAttention checks the first, the caller the second).
+  MmaPath mma = MmaPath::kBf16;
 };
 
 // OK for head_dim 64 / 128 and a non-empty entry.
@@ -60,6 +64,9 @@ int AttentionSharedBytes(int head_dim, int max_page_bytes, AttentionTilingChoice
 // What kAuto becomes for an entry whose largest page has max_page_bytes.
 Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved);
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream);
+// Whether `tiling` (kAuto resolved) runs the INT8 MMA path (the wgmma kernel; the mma.sync kernels
+// have only the bf16 one so far).
+bool TilingHasInt8Mma(AttentionTilingChoice tiling);
 
 // Query rows whose launches fill whole waves of the GPU: a launch runs ⌈n_q / kTileQueries⌉ · heads
 // CTAs, of which SMs × (CTAs per SM of the kernel `params` resolves to) run at once, so a multiple of

@@ -34,9 +34,80 @@ namespace {
 
 using namespace sm90;
 
-template <int kDim, int kStages>
-__global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) AttentionSm90Kernel(const AttentionParams p) {
-  using T = Sm90Tile<kDim, kStages>;
+// The INT8 MMA path's per-row query data (mma_path.h): s_q and Σ_c q̂_c / s_q of each query row of the
+// tile, written by QuantizeQueryTile; empty on the bf16 path.
+template <bool kInt8Qk>
+struct Int8QueryRows {
+  float scale[kTileQueries];
+  float sum_over_scale[kTileQueries];
+};
+template <>
+struct Int8QueryRows<false> {};
+
+// The INT8 MMA path's Q: every warp of the CTA quantizes rows warp, warp + kWarps, … of the tile from
+// the bf16 stored-form Q (QueryScaleOf / QueryCode, as the CPU reference) into the swizzled int8 tile
+// [2 groups][64 rows][128 bytes] (lane l's kDim/32 codes at byte l·kDim/32 of the row), and lane 0
+// writes the row's s_q and Σq̂ / s_q (|Σq̂ / s_q| ≤ 127·kDim). Rows past n_rows are zero rows.
+template <class T>
+__device__ __forceinline__ void QuantizeQueryTile(const AttentionParams& p, int64_t q0, int n_rows, int head,
+                                                  uint8_t* q_tile, Int8QueryRows<true>& rows) {
+  constexpr int kPerLane = T::kDim / 32;
+  constexpr int kWarps = T::kThreads / 32;
+  const int lane = threadIdx.x & 31;
+  for (int r = threadIdx.x >> 5; r < kTileQueries; r += kWarps) {
+    float x[kPerLane];
+    uint32_t bits[kPerLane / 2] = {};
+    if (r < n_rows) {
+      const uint16_t* src = p.q + (q0 + r) * p.q_stride + head * T::kDim + lane * kPerLane;
+      if constexpr (kPerLane == 4) {
+        const uint2 w = *reinterpret_cast<const uint2*>(src);
+        bits[0] = w.x, bits[1] = w.y;
+      } else {
+        bits[0] = *reinterpret_cast<const uint32_t*>(src);
+      }
+    }
+    float amax = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      x[i] = __uint_as_float(i & 1 ? bits[i / 2] & 0xffff0000u : bits[i / 2] << 16);
+      amax = fmaxf(amax, fabsf(x[i]));
+      sum += x[i];
+    }
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) {
+      amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, m));
+      sum += __shfl_xor_sync(kFullMask, sum, m);
+    }
+    const QueryScale qs = QueryScaleOf(amax);
+    uint32_t codes = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) codes |= (static_cast<uint32_t>(QueryCode(x[i], qs)) & 0xffu) << (8 * i);
+    const int rr = r % T::kGroupRows, byte = lane * kPerLane;
+    uint8_t* dst = q_tile + (r / T::kGroupRows) * (T::kQBytes / 2) + rr * T::kInt8RowBytes +
+                   (((byte >> 4) ^ (rr & 7)) << 4) + (byte & 15);
+    if constexpr (kPerLane == 4) {
+      *reinterpret_cast<uint32_t*>(dst) = codes;
+    } else {
+      *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(codes);
+    }
+    if (lane == 0) rows.scale[r] = qs.scale, rows.sum_over_scale[r] = sum / qs.scale;
+  }
+}
+
+// S accumulators as floats: the bf16 path's are floats; the INT8 path's hold int32 until the softmax
+// turns them into floats in the same registers. |S| < 2^22 (127 · 127 · 128 with INT8 keys, 127 · 15 · 128
+// with INT4), so 2^23 + 2^22 + S is exact in fp32 and one integer add and one float subtract convert it.
+__device__ __forceinline__ float AsFloat(float x) { return x; }
+__device__ __forceinline__ float AsFloat(uint32_t x) { return __uint_as_float(x); }
+__device__ __forceinline__ void SetFloat(float& d, float v) { d = v; }
+__device__ __forceinline__ void SetFloat(uint32_t& d, float v) { d = __float_as_uint(v); }
+__device__ __forceinline__ float AccumulatorValue(float x) { return x; }
+__device__ __forceinline__ float AccumulatorValue(uint32_t s) { return __uint_as_float(s + 0x4B400000u) - 12582912.0f; }
+
+template <int kDim, int kStages, bool kInt8Qk>
+__global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1) AttentionSm90Kernel(const AttentionParams p) {
+  using T = Sm90Tile<kDim, kStages, kInt8Qk>;
+  using SAcc = std::conditional_t<kInt8Qk, uint32_t, float>;  // S accumulator registers
   static_assert(T::kProducerThreads == kProducerThreads, "DecodePage's thread layout");
   constexpr int kUnitsPerRow = kDim / 8;  // 16-byte chunks per bf16 row
   constexpr int kONTiles = kDim / 8;      // 8-channel column groups of O
@@ -48,6 +119,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
   __shared__ uint64_t tile_full[T::kStages];    // mbarriers: decoded stage filled (every producer arrives)
   __shared__ uint32_t bf16_exponent;             // kBf16Exponent, see Int4CodesPlus128
   __shared__ float4 key_table[T::kStages][kPageTokens / 2];  // (a_j, b_j, a_j+1, b_j+1): DecodePage
+  __shared__ Int8QueryRows<kInt8Qk> q_rows_int8;
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
   uint8_t* smem = smem_raw + ((T::kAlign - (SmemAddr(smem_raw) & (T::kAlign - 1))) & (T::kAlign - 1));
   uint8_t* raw = smem + T::kRawOffset;
@@ -61,11 +133,15 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
   const int64_t t0 = p.q_token_begin + q0;  // its token index (= position)
   const int n_pages = p.kv.n_pages;
 
-  for (int u = tid; u < kTileQueries * kUnitsPerRow; u += T::kThreads) {  // Q [2][64][d] → swizzled smem
-    const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < n_rows) v = *reinterpret_cast<const uint4*>(p.q + (q0 + r) * p.q_stride + head * kDim + c8 * 8);
-    *reinterpret_cast<uint4*>(smem + (r / T::kGroupRows) * (T::kQBytes / 2) + SwizzledOffset<T::kGroupRows>(r % T::kGroupRows, c8)) = v;
+  if constexpr (kInt8Qk) {
+    QuantizeQueryTile<T>(p, q0, n_rows, head, smem, q_rows_int8);
+  } else {
+    for (int u = tid; u < kTileQueries * kUnitsPerRow; u += T::kThreads) {  // Q [2][64][d] → swizzled smem
+      const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < n_rows) v = *reinterpret_cast<const uint4*>(p.q + (q0 + r) * p.q_stride + head * kDim + c8 * 8);
+      *reinterpret_cast<uint4*>(smem + (r / T::kGroupRows) * (T::kQBytes / 2) + SwizzledOffset<T::kGroupRows>(r % T::kGroupRows, c8)) = v;
+    }
   }
   if (tid == 0) {
     bf16_exponent = kBf16Exponent;
@@ -112,9 +188,16 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
           const int s = i % T::kStages;
           if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);  // consumers are done with page i − kStages
           const PageDesc page = raw_desc[st];
-          DecodePage<kDim>(page, raw + st * stage_bytes, p.max_page_bytes,
-                           smem + T::kKOffset + s * T::kTileBytes, smem + T::kVOffset + s * T::kTileBytes,
-                           reinterpret_cast<float2*>(key_table[s]), scale_log2, exponent, tid);
+          uint8_t* k_tile = smem + T::kKOffset + s * T::kKTileBytes;
+          uint8_t* v_tile = smem + T::kVOffset + s * T::kTileBytes;
+          float2* keys = reinterpret_cast<float2*>(key_table[s]);
+          if constexpr (kInt8Qk) {
+            DecodePageInt8Qk<kDim>(page, raw + st * stage_bytes, p.max_page_bytes, k_tile, v_tile, keys, scale_log2,
+                                   exponent, tid);
+          } else {
+            DecodePage<kDim>(page, raw + st * stage_bytes, p.max_page_bytes, k_tile, v_tile, keys, scale_log2, exponent,
+                             tid);
+          }
           if (tid == 0) tile_desc[s] = page;
           FenceProxyAsync();
           MbarArrive(SmemAddr(&tile_full[s]));
@@ -134,10 +217,17 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
   for (int n = 0; n < kONTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   // Σ_c q_c of rows g and g + 8 (the key table's b_j term), from the bf16 Q the MMAs read: the four
-  // threads of a row pair each add a quarter of the channels.
-  float q_sum[2];
+  // threads of a row pair each add a quarter of the channels. On the INT8 path Σq̂ / s_q and s_q, by which
+  // the exponent's argument is scaled (row_scale; 1 on the bf16 path), from QuantizeQueryTile.
+  float q_sum[2], row_scale[2] = {1.0f, 1.0f};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    if constexpr (kInt8Qk) {
+      const int row = row_base + g + 8 * r;
+      q_sum[r] = q_rows_int8.sum_over_scale[row];
+      row_scale[r] = q_rows_int8.scale[row];
+      continue;
+    }
     const uint8_t* q_rows = smem + consumer * (T::kQBytes / 2);
     const int row = warp_in_group * 16 + g + 8 * r;
     float sum = 0.0f;
@@ -159,14 +249,15 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
       // Consumers. Descriptors step by adding (byte offset >> 4) to their address field: shared
       // addresses stay below 2^18, so the 14-bit field never carries.
       const uint64_t q_desc = Desc(SmemAddr(smem + consumer * (T::kQBytes / 2)), 16, 1024);
-      float s_cur[8][4];  // S rows (g, g+8) × keys (n·8 + 2t, +1)
+      SAcc s_cur[8][4];  // S rows (g, g+8) × keys (n·8 + 2t, +1)
       uint32_t a[4][4];   // P as the A fragments of the four 16-key steps of P·V
       // S[64 × 64] = Q[64 × d] · Kᵀ[d × 64] of visible page i, once the producer has filled its stage;
       // k-step kc reads 32 bytes into a 128-byte swizzled row.
       // `wait` = false re-issues a page the group already holds (the last page's S(i+1): a wasted
       // 1/n_visible of the MMAs, so that no wgmma sits in a branch, which would serialise them all).
-      auto issue_s = [&](float (&sc)[8][4], int i, bool wait) {
-        const uint64_t k_desc = Desc(SmemAddr(smem + T::kKOffset + (i % T::kStages) * T::kTileBytes), 16, 1024);
+      // The INT8 path: k-step kc reads 32 int8 channels, the same 32 bytes into the row.
+      auto issue_s = [&](SAcc (&sc)[8][4], int i, bool wait) {
+        const uint64_t k_desc = Desc(SmemAddr(smem + T::kKOffset + (i % T::kStages) * T::kKTileBytes), 16, 1024);
         if (wait) {
           const int s = i % T::kStages;
           MbarWait(SmemAddr(&tile_full[s]), (full_phase >> s) & 1u);
@@ -174,10 +265,15 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
         }
         FenceRegs(sc);
         WgmmaFence();
+        if constexpr (kInt8Qk) {
 #pragma unroll
-        for (int kc = 0; kc < kDim / 16; ++kc) {
-          const uint32_t off = (kc >> 2) * (kPageTokens * 128) + (kc & 3) * 32;
-          WgmmaSS64(sc, q_desc + (off >> 4), k_desc + (off >> 4), kc > 0);
+          for (int kc = 0; kc < kDim / 32; ++kc) WgmmaSS64Int8(sc, q_desc + kc * 2, k_desc + kc * 2, kc > 0);
+        } else {
+#pragma unroll
+          for (int kc = 0; kc < kDim / 16; ++kc) {
+            const uint32_t off = (kc >> 2) * (kPageTokens * 128) + (kc & 3) * 32;
+            WgmmaSS64(sc, q_desc + (off >> 4), k_desc + (off >> 4), kc > 0);
+          }
         }
         WgmmaCommit();
       };
@@ -188,14 +284,15 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
       };
       // Logits of page i from S and the key table (S holds Q·Kᵀ over the tile as stored), masks and the
       // online softmax (log2 domain, rows g and g + 8): sc becomes P, unrounded; corr rescales O.
-      auto softmax = [&](float (&sc)[8][4], const float4 (&keys)[8], int i, float (&corr)[2]) {
+      // On the INT8 path sc holds the logits divided by s_q (row_scale) until the exponent.
+      auto softmax = [&](SAcc (&sc)[8][4], const float4 (&keys)[8], int i, float (&corr)[2]) {
         const PageDesc page = tile_desc[i % T::kStages];
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float a_j = e & 1 ? keys[n].z : keys[n].x, b_j = e & 1 ? keys[n].w : keys[n].y;
-            sc[n][e] = fmaf(sc[n][e], a_j, q_sum[e >> 1] * b_j);
+            SetFloat(sc[n][e], fmaf(AccumulatorValue(sc[n][e]), a_j, q_sum[e >> 1] * b_j));
           }
         }
         // Masks: invalid slots, other sequences, future keys (causal).
@@ -210,7 +307,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
               const int key = n * 8 + 2 * t + (e & 1);
               const bool ok = key < page.n_valid && runs.q_seq[row] == page.seq_id &&
                               (!p.visibility.causal || page.token_begin + key <= t0 + row);
-              if (!ok) sc[n][e] = -INFINITY;
+              if (!ok) SetFloat(sc[n][e], -INFINITY);
             }
           }
         }
@@ -218,10 +315,10 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
         for (int r = 0; r < 2; ++r) {
           float mx = -INFINITY;
 #pragma unroll
-          for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
+          for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(AsFloat(sc[n][2 * r]), AsFloat(sc[n][2 * r + 1])));
           mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
           mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-          const float m_new = fmaxf(row_max[r], mx);
+          const float m_new = fmaxf(row_max[r], mx * row_scale[r]);  // s_q > 0 keeps the order
           const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a fully masked row so far
           corr[r] = Exp2Ftz(row_max[r] - m_use);
           row_max[r] = m_new;
@@ -230,8 +327,9 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
           for (int n = 0; n < 8; ++n) {
 #pragma unroll
             for (int e = 2 * r; e < 2 * r + 2; ++e) {
-              sc[n][e] = Exp2Ftz(sc[n][e] - m_use);
-              row_sum[r] += sc[n][e];
+              const float w = Exp2Ftz(fmaf(AsFloat(sc[n][e]), row_scale[r], -m_use));
+              SetFloat(sc[n][e], w);
+              row_sum[r] += w;
             }
           }
         }
@@ -245,13 +343,13 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
         }
       };
       // P as bf16 A fragments: k-step kk of P·V takes keys kk·16 … +15 (two 8-key row groups).
-      auto pack_p = [&](const float (&sc)[8][4]) {
+      auto pack_p = [&](const SAcc (&sc)[8][4]) {
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-          a[kk][0] = PackBf16(sc[2 * kk][0], sc[2 * kk][1]);
-          a[kk][1] = PackBf16(sc[2 * kk][2], sc[2 * kk][3]);
-          a[kk][2] = PackBf16(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-          a[kk][3] = PackBf16(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+          a[kk][0] = PackBf16(AsFloat(sc[2 * kk][0]), AsFloat(sc[2 * kk][1]));
+          a[kk][1] = PackBf16(AsFloat(sc[2 * kk][2]), AsFloat(sc[2 * kk][3]));
+          a[kk][2] = PackBf16(AsFloat(sc[2 * kk + 1][0]), AsFloat(sc[2 * kk + 1][1]));
+          a[kk][3] = PackBf16(AsFloat(sc[2 * kk + 1][2]), AsFloat(sc[2 * kk + 1][3]));
         }
       };
       // O[64 × d] += P[64 × 64] · V[64 × d] of page i, one commit group.
@@ -277,7 +375,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
         // P(i)·V runs. The two consumer groups take turns to issue (kTurnBar), so that one group's
         // softmax runs while the other's MMAs occupy the tensor cores (FlashAttention-3's ping-pong).
         const int turn = T::kTurnBar + consumer, other_turn = T::kTurnBar + (consumer ^ 1);
-        float (&sc)[8][4] = s_cur;
+        SAcc (&sc)[8][4] = s_cur;
         float corr[2];
         float4 keys[8];
         issue_s(sc, 0, true);
@@ -311,7 +409,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
         // every MMA is waited for first (which hands page i − 1 back), the softmax of page i runs while
         // the producer decodes page i + 1, and S(i+1) goes in behind P(i)·V. (A wait for all MMAs where
         // only P(i−1)·V is needed costs little: a group's MMAs run in order.)
-        auto step = [&](int i, float (&sc)[8][4], float (&s_next)[8][4]) {
+        auto step = [&](int i, SAcc (&sc)[8][4], SAcc (&s_next)[8][4]) {
           float4 keys[8];
           load_keys(keys, i);
           WgmmaWait<0>();
@@ -326,7 +424,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
           issue_pv(i);
           if (i + 1 < n_visible) issue_s(s_next, i + 1, true);
         };
-        float s_next[8][4];  // the two S tiles alternate (unrolled by two, so that they stay registers)
+        SAcc s_next[8][4];  // the two S tiles alternate (unrolled by two, so that they stay registers)
         issue_s(s_cur, 0, true);
         int i = 0;
         for (; i + 1 < n_visible; i += 2) {
@@ -355,61 +453,72 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages>::kThreads, 1) Attentio
   if (warp_rows > 0) WriteOutputRows<kDim>(p, head, stage_rows, T::kStagePitch, warp_rows, q0 + row_base, lane);
 }
 
-// The kernel instance that serves (head_dim, max_page_bytes): f(dim, stages), both as
-// std::integral_constant, so that every entry point below makes the same choice.
+// The kernel instance that serves (head_dim, max_page_bytes, MMA path): f(dim, stages, int8), each as
+// std::integral_constant, so that every entry point below makes the same choice. The INT8 path's
+// entries hold no BF16 page, so it always takes four stages.
 template <int kValue>
 using Int = std::integral_constant<int, kValue>;
+template <bool kValue>
+using Bool = std::integral_constant<bool, kValue>;
 template <class F>
-auto WithInstance(int head_dim, int max_page_bytes, F&& f) {
-  if (head_dim == 128) {
-    return Sm90Stages<128>(max_page_bytes) == kSm90DeepStages ? f(Int<128>{}, Int<kSm90DeepStages>{})
-                                                               : f(Int<128>{}, Int<2>{});
+auto WithInstance(int head_dim, int max_page_bytes, MmaPath mma, F&& f) {
+  if (mma == MmaPath::kInt8) {
+    return head_dim == 128 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<true>{})
+                           : f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<true>{});
   }
-  return f(Int<64>{}, Int<kSm90DeepStages>{});
+  if (head_dim == 128) {
+    return Sm90Stages<128>(max_page_bytes) == kSm90DeepStages ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<false>{})
+                                                               : f(Int<128>{}, Int<2>{}, Bool<false>{});
+  }
+  return f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<false>{});
 }
 
 // Raises the instance's dynamic shared-memory limit to what `max_page_bytes` needs; returns the bytes.
-template <int kDim, int kStages>
+template <int kDim, int kStages, bool kInt8Qk>
 Error Prepare(int max_page_bytes, int* smem) {
-  *smem = Sm90DynamicSmem<kDim, kStages>(max_page_bytes);
-  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(AttentionSm90Kernel<kDim, kStages>,
+  *smem = Sm90DynamicSmem<kDim, kStages, kInt8Qk>(max_page_bytes);
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(AttentionSm90Kernel<kDim, kStages, kInt8Qk>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, *smem));
   return Error::Ok();
 }
 
-template <int kDim, int kStages>
+template <int kDim, int kStages, bool kInt8Qk>
 Error Launch(const AttentionParams& p, cudaStream_t stream) {
   int smem = 0;
-  KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages>(p.max_page_bytes, &smem)));
-  AttentionSm90Kernel<kDim, kStages><<<AttentionGrid(p), Sm90Tile<kDim, kStages>::kThreads, smem, stream>>>(p);
+  KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages, kInt8Qk>(p.max_page_bytes, &smem)));
+  AttentionSm90Kernel<kDim, kStages, kInt8Qk>
+      <<<AttentionGrid(p), Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, smem, stream>>>(p);
   KVPACK_CUDA_RETURN_LAUNCH("attention sm90 kernel");
   return Error::Ok();
 }
 
-template <int kDim, int kStages>
+template <int kDim, int kStages, bool kInt8Qk>
 Error CtasPerSm(const AttentionParams& p, int* ctas) {
   int smem = 0;
-  KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages>(p.max_page_bytes, &smem)));
-  KVPACK_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas, AttentionSm90Kernel<kDim, kStages>,
-                                                                   Sm90Tile<kDim, kStages>::kThreads, smem));
+  KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages, kInt8Qk>(p.max_page_bytes, &smem)));
+  KVPACK_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      ctas, AttentionSm90Kernel<kDim, kStages, kInt8Qk>, Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, smem));
   return Error::Ok();
 }
 
 }  // namespace
 
-int AttentionSm90SharedBytes(int head_dim, int max_page_bytes) {
-  return WithInstance(head_dim, max_page_bytes,
-                      [&](auto dim, auto stages) { return Sm90DynamicSmem<dim.value, stages.value>(max_page_bytes); });
+int AttentionSm90SharedBytes(int head_dim, int max_page_bytes) {  // the bf16 path's: the larger
+  return WithInstance(head_dim, max_page_bytes, MmaPath::kBf16, [&](auto dim, auto stages, auto int8) {
+    return Sm90DynamicSmem<dim.value, stages.value, int8.value>(max_page_bytes);
+  });
 }
 
 Error LaunchAttentionSm90(const AttentionParams& params, cudaStream_t stream) {
-  return WithInstance(params.kv.head_dim, params.max_page_bytes,
-                      [&](auto dim, auto stages) { return Launch<dim.value, stages.value>(params, stream); });
+  return WithInstance(params.kv.head_dim, params.max_page_bytes, params.mma, [&](auto dim, auto stages, auto int8) {
+    return Launch<dim.value, stages.value, int8.value>(params, stream);
+  });
 }
 
 Error AttentionSm90CtasPerSm(const AttentionParams& params, int* ctas) {
-  return WithInstance(params.kv.head_dim, params.max_page_bytes,
-                      [&](auto dim, auto stages) { return CtasPerSm<dim.value, stages.value>(params, ctas); });
+  return WithInstance(params.kv.head_dim, params.max_page_bytes, params.mma, [&](auto dim, auto stages, auto int8) {
+    return CtasPerSm<dim.value, stages.value, int8.value>(params, ctas);
+  });
 }
 
 }  // namespace kvpack::cuda

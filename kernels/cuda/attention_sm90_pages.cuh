@@ -110,6 +110,35 @@ __device__ __forceinline__ Int4Codes<kDim> LoadInt4Codes(const uint8_t* src, con
   return c;
 }
 
+// A thread's part of an INT4 V tile: codes and row metadata, loaded before any store; then lo +
+// code·scale in bf16x2 arithmetic.
+template <int kDim>
+struct Int4VRows {
+  Int4Codes<kDim> codes;
+  uint32_t meta[ProducerUnits<kDim>::kRowSteps];
+};
+template <int kDim>
+__device__ __forceinline__ Int4VRows<kDim> LoadInt4V(const uint8_t* v_src, const ProducerUnits<kDim>& u) {
+  Int4VRows<kDim> v;
+  v.codes = LoadInt4Codes(v_src, u);
+#pragma unroll
+  for (int r = 0; r < ProducerUnits<kDim>::kRowSteps; ++r) {
+    v.meta[r] = *reinterpret_cast<const uint32_t*>(v_src + MetaOffset(PageFormat::kInt4, kDim) + u.Row(r) * 4);
+  }
+  return v;
+}
+template <int kDim>
+__device__ __forceinline__ void StoreInt4V(const Int4VRows<kDim>& v, uint8_t* v_tile, const ProducerUnits<kDim>& u,
+                                           uint32_t exponent) {
+  using U = ProducerUnits<kDim>;
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+    const Int4RowBf16 row = Int4RowOf(v.meta[r]);
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(v_tile + u.TileOffset(r, b)) = Int4Bf16Unit(v.codes.w[r][b], row, exponent);
+  }
+}
+
 // An INT4 page pair: K → the bf16 of 128 + code (its rows' scale and lo go to the key table), V → lo +
 // code·scale in bf16x2 arithmetic. Every load (K codes, V codes, V metadata) goes out before the first
 // store, so a thread waits for shared memory once per page.
@@ -117,23 +146,14 @@ template <int kDim>
 __device__ __forceinline__ void DecodeInt4Tiles(const uint8_t* k_src, const uint8_t* v_src, uint8_t* k_tile,
                                                 uint8_t* v_tile, const ProducerUnits<kDim>& u, uint32_t exponent) {
   using U = ProducerUnits<kDim>;
-  const Int4Codes<kDim> k = LoadInt4Codes(k_src, u), v = LoadInt4Codes(v_src, u);
-  uint32_t v_meta[U::kRowSteps];
-#pragma unroll
-  for (int r = 0; r < U::kRowSteps; ++r) {
-    v_meta[r] = *reinterpret_cast<const uint32_t*>(v_src + MetaOffset(PageFormat::kInt4, kDim) + u.Row(r) * 4);
-  }
+  const Int4Codes<kDim> k = LoadInt4Codes(k_src, u);
+  const Int4VRows<kDim> v = LoadInt4V(v_src, u);
 #pragma unroll
   for (int r = 0; r < U::kRowSteps; ++r) {
 #pragma unroll
     for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(k_tile + u.TileOffset(r, b)) = Int4CodesPlus128(k.w[r][b], exponent);
   }
-#pragma unroll
-  for (int r = 0; r < U::kRowSteps; ++r) {
-    const Int4RowBf16 row = Int4RowOf(v_meta[r]);
-#pragma unroll
-    for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(v_tile + u.TileOffset(r, b)) = Int4Bf16Unit(v.w[r][b], row, exponent);
-  }
+  StoreInt4V(v, v_tile, u, exponent);
 }
 
 // INT8 page pairs: the codec's exact fp32 decode (page_codec.cuh LoadUnit / ConvertUnit), K's and V's
@@ -229,6 +249,84 @@ __device__ __forceinline__ void DecodePage(const PageDesc& page, const uint8_t* 
     DecodeTiles<PageFormat::kInt8, kDim>(stage, stage + v_offset, k_tile, v_tile, u);
   }
   if (page.n_valid < kPageTokens) ZeroRowsPast(page.n_valid, k_tile, u), ZeroRowsPast(page.n_valid, v_tile, u);
+}
+
+// ── The INT8 MMA path (mma_path.h): K as int8 codes ─────────────────────────────────────────────
+// The K tile is [64 keys][128 bytes] of int8 codes, swizzled as the bf16 tiles are (16-byte chunk c of
+// row r at r·128 + (c ⊕ (r mod 8))·16; at d = 64 chunks 0…3 only). Thread ptid owns chunk ptid mod
+// kChunks of rows ptid / kChunks + kRowsPerStep·k; a quarter warp stores one row's eight chunks at d =
+// 128 (conflict-free), two rows' four at d = 64 (two-way).
+template <int kDim, int kThreads = kProducerThreads>
+struct Int8KUnits {
+  static constexpr int kChunks = kDim / 16;
+  static constexpr int kRowsPerStep = kThreads / kChunks;
+  static constexpr int kRowSteps = kPageTokens / kRowsPerStep;
+  static_assert(kRowSteps >= 1 && kPageTokens % kRowsPerStep == 0, "the threads cover the tile's rows evenly");
+  int row0, chunk;
+  __device__ explicit Int8KUnits(int ptid) : row0(ptid / kChunks), chunk(ptid % kChunks) {}
+  __device__ int Row(int k) const { return row0 + kRowsPerStep * k; }
+  __device__ int TileOffset(int k) const { return Row(k) * 128 + ((chunk ^ (Row(k) & 7)) << 4); }
+};
+
+// A page pair in format F (INT4 or INT8): K's integer codes (IntegerCodesUnit) into the int8 tile, V
+// decoded to bf16 as on the bf16 path; every load before the first store.
+template <PageFormat F, int kDim>
+__device__ __forceinline__ void DecodeInt8QkTiles(const uint8_t* k_src, const uint8_t* v_src, uint8_t* k_tile,
+                                                  uint8_t* v_tile, const ProducerUnits<kDim>& u,
+                                                  const Int8KUnits<kDim>& ku, uint32_t exponent) {
+  using U = ProducerUnits<kDim>;
+  using KU = Int8KUnits<kDim>;
+  uint4 k[KU::kRowSteps];
+#pragma unroll
+  for (int r = 0; r < KU::kRowSteps; ++r) k[r] = IntegerCodesUnit<F, kDim>(k_src, ku.Row(r), ku.chunk);
+  if constexpr (F == PageFormat::kInt4) {
+    const Int4VRows<kDim> v = LoadInt4V(v_src, u);
+#pragma unroll
+    for (int r = 0; r < KU::kRowSteps; ++r) *reinterpret_cast<uint4*>(k_tile + ku.TileOffset(r)) = k[r];
+    StoreInt4V(v, v_tile, u, exponent);
+  } else {
+    RawUnit<F> v[U::kRowSteps][U::kBlocks];
+#pragma unroll
+    for (int r = 0; r < U::kRowSteps; ++r) {
+#pragma unroll
+      for (int b = 0; b < U::kBlocks; ++b) v[r][b] = LoadUnit<F, kDim>(v_src, u.Row(r), b * 8 + u.c8);
+    }
+#pragma unroll
+    for (int r = 0; r < KU::kRowSteps; ++r) *reinterpret_cast<uint4*>(k_tile + ku.TileOffset(r)) = k[r];
+#pragma unroll
+    for (int r = 0; r < U::kRowSteps; ++r) {
+#pragma unroll
+      for (int b = 0; b < U::kBlocks; ++b) *reinterpret_cast<uint4*>(v_tile + u.TileOffset(r, b)) = ConvertUnit<F>(v[r][b]);
+    }
+  }
+}
+
+// One page on the INT8 MMA path. The key table: logit(q_i, key j)·log2(e)·softmax_scale = s_q,i ·
+// (a_j·S_ij + b_j·Σq_i / s_q,i) with S = the int32 Q codes · K codes, a_j = scale_j·c, b_j = lo_j·c, c =
+// log2(e)·softmax_scale (mma_path.h). Only V rows at or past n_valid are zeroed: K codes are finite
+// integers whose logits the consumers mask. REQUIRES: the page is INT4 or INT8 (ResolveMmaPath keeps
+// entries with BF16 pages on the bf16 path).
+template <int kDim>
+__device__ __forceinline__ void DecodePageInt8Qk(const PageDesc& page, const uint8_t* stage, int v_offset,
+                                                 uint8_t* k_tile, uint8_t* v_tile, float2* keys, float scale_log2,
+                                                 uint32_t exponent, int ptid) {
+  static_assert(kNumPageFormats == 3, "the INT8 MMA path's DecodePageInt8Qk handles INT4 and INT8 (BF16 never comes)");
+  const ProducerUnits<kDim> u(ptid);
+  const Int8KUnits<kDim> ku(ptid);
+  auto decode = [&](auto tag) {
+    constexpr PageFormat F = decltype(tag)::kFormat;
+    if (ptid < kPageTokens) {
+      const float2 affine = IntegerRowAffine<F, kDim>(stage, ptid);
+      keys[ptid] = make_float2(affine.x * scale_log2, affine.y * scale_log2);
+    }
+    DecodeInt8QkTiles<F, kDim>(stage, stage + v_offset, k_tile, v_tile, u, ku, exponent);
+  };
+  if (static_cast<PageFormat>(page.format) == PageFormat::kInt4) {
+    decode(FormatTag<PageFormat::kInt4>{});
+  } else {
+    decode(FormatTag<PageFormat::kInt8>{});
+  }
+  if (page.n_valid < kPageTokens) ZeroRowsPast(page.n_valid, v_tile, u);
 }
 
 // Where one page's bytes are, read from global memory one page before its copy is issued so that the

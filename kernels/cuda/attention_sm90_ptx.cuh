@@ -52,6 +52,8 @@ __device__ __forceinline__ void FenceRegs(uint32_t (&r)[kN][4]) {
   }
 }
 
+#define KVPACK_R8(a, i) "+r"(a[i][0]), "+r"(a[i][1]), "+r"(a[i][2]), "+r"(a[i][3]), \
+                        "+r"(a[i + 1][0]), "+r"(a[i + 1][1]), "+r"(a[i + 1][2]), "+r"(a[i + 1][3])
 #define KVPACK_F8(a, i) "+f"(a[i][0]), "+f"(a[i][1]), "+f"(a[i][2]), "+f"(a[i][3]), \
                         "+f"(a[i + 1][0]), "+f"(a[i + 1][1]), "+f"(a[i + 1][2]), "+f"(a[i + 1][3])
 
@@ -63,6 +65,20 @@ __device__ __forceinline__ void WgmmaSS64(float (&s)[8][4], uint64_t desc_a, uin
       "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
       "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
       : KVPACK_F8(s, 0), KVPACK_F8(s, 2), KVPACK_F8(s, 4), KVPACK_F8(s, 6)
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+      : "memory");
+}
+
+// s[64 × 64] (+)= A[64 × 32] · B[32 × 64] in int8 → int32, exactly; A and B K-major in shared memory
+// (8-bit operands have no transposed form). The INT8 MMA path's S: Q codes × K codes (INT4 codes 0…15
+// are int8 values too, so both page formats take this one instruction).
+__device__ __forceinline__ void WgmmaSS64Int8(uint32_t (&s)[8][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p;\n}\n"
+      : KVPACK_R8(s, 0), KVPACK_R8(s, 2), KVPACK_R8(s, 4), KVPACK_R8(s, 6)
       : "l"(desc_a), "l"(desc_b), "r"(scale_d)
       : "memory");
 }
@@ -93,6 +109,7 @@ __device__ __forceinline__ void WgmmaRS(float (&o)[16][4], const uint32_t (&a)[4
       : "memory");
 }
 #undef KVPACK_F8
+#undef KVPACK_R8
 
 // ── Warp-group registers and barriers ───────────────────────────────────────────────────────────
 // Moves this warp group's register allocation to kCount per thread (a multiple of 8 in 24…256);

@@ -7,9 +7,12 @@
 //   groups 2, 3  consumers (attention_sm90_consumer.cuh): 64 query rows each, wgmma and the softmax
 // Shared memory (dynamic, from a 1024-byte aligned base, as the 128-byte swizzle needs):
 //   Q      [2 groups][64 rows][kDim]   bf16, swizzled     kQBytes
-//   K      [kStages][64 keys][kDim]    bf16, swizzled     kStages · kTileBytes
+//   K      [kStages][64 keys][kDim]    bf16, swizzled     kStages · kKTileBytes
 //   V      [kStages][64 keys][kDim]    bf16, swizzled     kStages · kTileBytes
 //   raw    [kRawStages][K page | V page]                  kRawStages · 2 · max_page_bytes
+// On the INT8 MMA path (kInt8Qk, mma_path.h) Q and K hold int8 codes instead, one 128-byte swizzled
+// row per query or key ([rows][128] int8; at d = 64 the second half of each row is unused, so that
+// both head sizes share the 128-byte swizzle), so Q is 16 KiB and a K stage 8 KiB.
 // The epilogue stages float rows [128][kDim + 4] over Q, K and V once every MMA is done.
 #pragma once
 
@@ -28,9 +31,10 @@ namespace kvpack::cuda {
 enum class Sm90Experiment { kNone = 0, kNoDecode = 1, kNoExp = 2, kNoPingPong = 3 };
 inline constexpr Sm90Experiment kSm90Experiment = static_cast<Sm90Experiment>(KVPACK_SM90_EXPERIMENT);
 
-template <int kDimT, int kStagesT>
+template <int kDimT, int kStagesT, bool kInt8QkT = false>
 struct Sm90Tile {
   static constexpr int kDim = kDimT;
+  static constexpr bool kInt8Qk = kInt8QkT;
   static_assert(kDim == 64 || kDim == 128, "head_dim 64 or 128");
   static constexpr int kConsumerGroups = 2;
   static constexpr int kGroupRows = 64;  // wgmma M
@@ -48,15 +52,18 @@ struct Sm90Tile {
                 "register file");
   static constexpr int kStages = kStagesT;  // decoded K/V tiles in flight: 4 where shared memory allows, else 2
   static constexpr int kRawStages = 3;      // raw pages in flight (one being decoded, two arriving)
-  static constexpr int kTileBytes = kPageTokens * kDim * 2;
-  static constexpr int kQBytes = kTileQueries * kDim * 2;
+  static constexpr int kTileBytes = kPageTokens * kDim * 2;               // a bf16 V (or K) tile
+  static constexpr int kInt8RowBytes = 128;                                // an int8 Q or K row
+  static constexpr int kKTileBytes = kInt8Qk ? kPageTokens * kInt8RowBytes : kTileBytes;
+  static constexpr int kQBytes = kInt8Qk ? kTileQueries * kInt8RowBytes : kTileQueries * kDim * 2;
   static constexpr int kKOffset = kQBytes;
-  static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
+  static constexpr int kVOffset = kKOffset + kStages * kKTileBytes;
   static constexpr int kRawOffset = kVOffset + kStages * kTileBytes;
   static constexpr int kAlign = 1024;  // the swizzle pattern repeats every 8 rows × 128 bytes
   static constexpr int kStagePitch = kDim + 4;
   static_assert(kTileQueries * kStagePitch * 4 <= kRawOffset, "epilogue staging fits over Q, K and V");
-  static_assert(kTileBytes % kAlign == 0 && kQBytes % kAlign == 0, "tiles keep the swizzle alignment");
+  static_assert(kTileBytes % kAlign == 0 && kKTileBytes % kAlign == 0 && kQBytes % kAlign == 0,
+                "tiles keep the swizzle alignment");
   static constexpr int kWindow = 3072;  // pages examined per visibility pass
   // Named barriers (0 is __syncthreads).
   static constexpr int kProducerBar = 1;
@@ -69,9 +76,9 @@ struct Sm90Tile {
   static constexpr bool kPingPong = kDeepRing && kSm90Experiment != Sm90Experiment::kNoPingPong;
 };
 
-template <int kDim, int kStages>
+template <int kDim, int kStages, bool kInt8Qk = false>
 constexpr int Sm90DynamicSmem(int max_page_bytes) {
-  using T = Sm90Tile<kDim, kStages>;
+  using T = Sm90Tile<kDim, kStages, kInt8Qk>;
   return T::kAlign + T::kRawOffset + T::kRawStages * 2 * max_page_bytes;
 }
 
@@ -85,6 +92,9 @@ template <int kDim>
 constexpr int Sm90Stages(int max_page_bytes) {
   return Sm90DynamicSmem<kDim, kSm90DeepStages>(max_page_bytes) <= kSm90MaxDynamicSmem ? kSm90DeepStages : 2;
 }
+// The INT8 MMA path never meets a BF16 page (ResolveMmaPath), so it always takes four stages.
+static_assert(Sm90DynamicSmem<128, kSm90DeepStages, true>(PageBytes(PageFormat::kInt8, 128)) <= kSm90MaxDynamicSmem,
+              "the INT8 MMA path takes four stages with INT4 and INT8 pages");
 static_assert(Sm90DynamicSmem<64, kSm90DeepStages>(PageBytes(PageFormat::kBf16, 64)) <= kSm90MaxDynamicSmem,
               "d = 64 takes four stages with any page (so it has no two-stage instance)");
 

@@ -151,6 +151,16 @@ int MaxPageBytes(const LayerConfig& c) {
   return bytes;
 }
 
+}  // namespace
+
+MmaPath LayerMmaPath(const LayerConfig& c, AttentionTilingChoice tiling) {
+  bool has_bf16 = false;
+  for (const TokenRange& r : c.ranges) has_bf16 = has_bf16 || r.format == PageFormat::kBf16;
+  return TilingHasInt8Mma(tiling) ? ResolveMmaPath(c.attention.mma, has_bf16) : MmaPath::kBf16;
+}
+
+namespace {
+
 // The statistics pre-pass: sample, project, epilogue to float, reduce into the entry's tables.
 Error ComputeStatsOnDevice(const LayerConfig& c, const LayerTensors& t, const KvLayout& layout, uint8_t* kv,
                            uint8_t* main, BlasGemm& gemm, const CudaContext& ctx) {
@@ -320,6 +330,7 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
   a.visibility.causal = c.attention.causal;
   a.max_page_bytes = MaxPageBytes(c);
   a.tiling = ctx.attention_tiling;
+  a.mma = LayerMmaPath(c, a.tiling);
 
   // Launches of whole waves where the chunk holds one (the Q buffer is sized for QueryRows).
   int64_t tq = QueryRows(c), wave_rows = 0;

@@ -72,6 +72,10 @@ uint64_t KvBytes(const LayerConfig& config);
 // [Tq, H·d] bf16 and the pre-pass buffers.
 uint64_t WorkspaceBytes(const LayerConfig& config);
 
+// The MMA path AttendLayer runs for `config` with `tiling` (mma_path.h): config.attention.mma resolved
+// against the ranges' formats, and kBf16 on kernels without the INT8 path.
+MmaPath LayerMmaPath(const LayerConfig& config, AttentionTilingChoice tiling);
+
 // ── Layer driver (device pointers throughout: tensors, kv, workspace) ────────────────────────────
 
 // Projects K and V of all N tokens into `kv` (KvBytes(config) bytes, laid out by PlanKvLayout, tables

@@ -185,6 +185,39 @@ __device__ __forceinline__ uint4 DecodeUnitOf(const uint8_t* raw, int n_valid, i
   return ConvertUnit<F>(LoadUnit<F, kDim>(raw, r, c8));
 }
 
+// ── Integer codes: 16 channels of one row (the INT8 MMA path's K operand, mma_path.h) ───────────
+// Channels c16·16 … c16·16 + 15 of row r of a raw page as 16 int8 codes, channel order kept: INT4's
+// nibbles widened to bytes (0…15, which are int8 values too), INT8's bytes as stored. With the row's
+// IntegerRowAffine (scale, lo), x̂_c = lo + code_c · scale, as PageCodec<F>::IntegerRow. Formats without
+// integer codes (PageCodec<F>::kIntegerCodes false) have no case.
+template <PageFormat F, int kDim>
+__device__ __forceinline__ uint4 IntegerCodesUnit(const uint8_t* raw, int r, int c16) {
+  if constexpr (F == PageFormat::kInt4) {
+    const uint2 w = *reinterpret_cast<const uint2*>(raw + r * (kDim / 2) + c16 * 8);
+    const uint32_t even0 = w.x & 0x0f0f0f0fu, odd0 = (w.x >> 4) & 0x0f0f0f0fu;  // byte k: channel 2k / 2k+1
+    const uint32_t even1 = w.y & 0x0f0f0f0fu, odd1 = (w.y >> 4) & 0x0f0f0f0fu;
+    return make_uint4(__byte_perm(even0, odd0, 0x5140), __byte_perm(even0, odd0, 0x7362),
+                      __byte_perm(even1, odd1, 0x5140), __byte_perm(even1, odd1, 0x7362));
+  } else if constexpr (F == PageFormat::kInt8) {
+    return *reinterpret_cast<const uint4*>(raw + r * kDim + c16 * 16);
+  } else {
+    static_assert(kUnhandledFormat<F>, "IntegerCodesUnit: only formats with integer codes (PageCodec::kIntegerCodes)");
+    return make_uint4(0, 0, 0, 0);
+  }
+}
+template <PageFormat F, int kDim>
+__device__ __forceinline__ float2 IntegerRowAffine(const uint8_t* raw, int r) {  // (scale, lo)
+  if constexpr (F == PageFormat::kInt4) {
+    const uint32_t meta = *reinterpret_cast<const uint32_t*>(raw + MetaOffset(PageFormat::kInt4, kDim) + r * 4);
+    return make_float2(HalfBits(meta & 0xffffu), HalfBits(meta >> 16));
+  } else if constexpr (F == PageFormat::kInt8) {
+    return make_float2(HalfBits(*reinterpret_cast<const uint16_t*>(raw + MetaOffset(PageFormat::kInt8, kDim) + r * 2)), 0.0f);
+  } else {
+    static_assert(kUnhandledFormat<F>, "IntegerRowAffine: only formats with integer codes (PageCodec::kIntegerCodes)");
+    return make_float2(0.0f, 0.0f);
+  }
+}
+
 // ── Over a runtime format ───────────────────────────────────────────────────────────────────────
 
 // DecodeUnitOf for a page's runtime format.

@@ -81,6 +81,62 @@ TEST(Attention, MatchesFp64ReferenceForEachFormat) {
   }
 }
 
+// The INT8 MMA path (mma_path.h) against FP64, relative to the bf16 path's error on the same pages:
+// the bounds (INT4 ×1.10, INT8 ×1.5).
+constexpr double kInt8MmaErrorRatioInt4 = 1.10;
+constexpr double kInt8MmaErrorRatioInt8 = 1.5;
+
+TEST(Attention, Int8MmaPathStaysWithinItsBoundOfTheExactPath) {
+  for (int d : {64, 128}) {
+    const Problem p = MakeProblem(64, 1000, 2, d, 23 + d);
+    const QueryBlock queries = AllQueries(p);
+    const std::vector<double> ref = Reference(p, queries, nullptr, {});
+    for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8}) {
+      AttentionOptions bf16, int8;
+      bf16.mma = MmaPath::kBf16;
+      int8.mma = MmaPath::kInt8;
+      const std::vector<float> exact = Attend(p, {{0, p.n_k, 0, f}}, TransformOptions{}, queries, bf16, 2);
+      const std::vector<float> quant = Attend(p, {{0, p.n_k, 0, f}}, TransformOptions{}, queries, int8, 2);
+      const double e_exact = CompareOutputs(ref.data(), exact.data(), p.n_q, p.heads, p.d).rel_l2;
+      const double e_quant = CompareOutputs(ref.data(), quant.data(), p.n_q, p.heads, p.d).rel_l2;
+      std::vector<double> exact_d(exact.begin(), exact.end());
+      const double mma_rel_l2 = CompareOutputs(exact_d.data(), quant.data(), p.n_q, p.heads, p.d).rel_l2;
+      std::printf("d=%d format %d: rel L2 vs FP64 bf16 path %.5f, int8 path %.5f (ratio %.3f); int8 vs bf16 path %.5f\n",
+                  d, static_cast<int>(f), e_exact, e_quant, e_quant / e_exact, mma_rel_l2);
+      EXPECT_NE(quant, exact) << "the INT8 path computes something of its own";
+      EXPECT_LT(e_quant, e_exact * (f == PageFormat::kInt4 ? kInt8MmaErrorRatioInt4 : kInt8MmaErrorRatioInt8));
+    }
+  }
+}
+
+TEST(Attention, Int8MmaOnAnEntryWithBf16PagesIsTheBf16Path) {
+  const Problem p = MakeProblem(30, 300, 2, 64, 29);
+  const QueryBlock queries = AllQueries(p);
+  const std::vector<TokenRange> ranges = {{0, 100, 0, PageFormat::kBf16}, {100, p.n_k, 0, PageFormat::kInt4}};
+  AttentionOptions bf16, int8;
+  bf16.mma = MmaPath::kBf16;
+  int8.mma = MmaPath::kInt8;
+  EXPECT_EQ(Attend(p, ranges, TransformOptions{}, queries, int8, 2), Attend(p, ranges, TransformOptions{}, queries, bf16, 2));
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kInt8, /*has_bf16_pages=*/true), MmaPath::kBf16);
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kInt8, false), MmaPath::kInt8);
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kAuto, false), MmaPath::kBf16);
+}
+
+TEST(Attention, QueryCodesOfEdgeRows) {
+  const QueryScale zero = QueryScaleOf(0.0f);  // an all-zero row: codes 0, a positive scale
+  EXPECT_EQ(zero.scale, 1.0f);
+  EXPECT_EQ(QueryCode(0.0f, zero), 0);
+  const QueryScale s = QueryScaleOf(2.54f);
+  EXPECT_EQ(QueryCode(2.54f, s), 127);
+  EXPECT_EQ(QueryCode(-2.54f, s), -127);
+  EXPECT_EQ(QueryCode(0.01f, s), 0);
+  EXPECT_EQ(QueryCode(0.03f, s), 2);  // 1.5 in fp32: ties go to even
+  EXPECT_EQ(QueryCode(0.05f, s), 2);  // 2.5
+  const QueryScale inf = QueryScaleOf(INFINITY);
+  EXPECT_EQ(QueryCode(1.0f, inf), 0);
+  EXPECT_EQ(QueryCode(NAN, s), 0);
+}
+
 TEST(Attention, TransformsChangeNothingOnBf16Pages) {
   const Problem p = MakeProblem(40, 300, 3, 32, 18);
   const QueryBlock queries = AllQueries(p);

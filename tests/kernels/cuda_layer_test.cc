@@ -258,9 +258,9 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
   std::vector<double> cpu_ref(n * hd);
   for (int64_t i = 0; i < n * hd; ++i) cpu_ref[i] = Bf16ToFloat(cpu_out[i]);
   const double err_cpu = RelL2(got, cpu_ref), cpu_exact = RelL2(std::vector<float>(cpu_ref.begin(), cpu_ref.end()), exact);
-  std::printf("[%s, tiling %d] rel L2 vs FP64 over decoded pages: %.5f (tol %.3f); vs cpu::RunLayer: %.5f (tol %.3f); "
+  std::printf("[%s, tiling %d, mma %s] rel L2 vs FP64 over decoded pages (mma_rel_l2): %.5f (tol %.3f); vs cpu::RunLayer: %.5f (tol %.3f); "
               "vs FP64 unquantized: %.5f (tol %.3f; the CPU backend's: %.5f)\n",
-              c.name, static_cast<int>(c.tiling), err_decoded, kDecodedRelL2, err_cpu, kCpuRelL2, err_exact, WorstTolerance(c.ranges), cpu_exact);
+              c.name, static_cast<int>(c.tiling), MmaPathName(LayerMmaPath(cfg, c.tiling)), err_decoded, kDecodedRelL2, err_cpu, kCpuRelL2, err_exact, WorstTolerance(c.ranges), cpu_exact);
   EXPECT_LE(err_cpu, kCpuRelL2);
   EXPECT_LE(err_decoded, kDecodedRelL2);
   if (check_exact) {
@@ -406,6 +406,48 @@ TEST(CudaLayer, Bf16CausalTwoSequences) {
   c.causal = true, c.bias = false;
   c.seed = 14;
   RunCaseEachKernel(c);
+}
+
+// The INT8 MMA path (mma_path.h) on the wgmma kernel, against the CPU reference emulating it.
+TEST(CudaLayer, Int8MmaInt4OneSequence) {
+  SKIP_WITHOUT_GPU();
+  Case c{"int8-mma int4 N=1000 d=128", 1000, 256, 2, 128, {{0, 1000, 0, PageFormat::kInt4}}};
+  c.mma = MmaPath::kInt8;
+  c.seed = 11;
+  ASSERT_EQ(LayerMmaPath(MakeLayer(c).config, c.tiling), MmaPath::kInt8);
+  RunCase(c);
+}
+
+TEST(CudaLayer, Int8MmaMixedIntegerFormatsSequencesCausalRopeNormD64) {
+  SKIP_WITHOUT_GPU();
+  Case c{"int8-mma mixed N=3001 d=64",
+         3001,
+         192,
+         3,
+         64,
+         {{0, 700, 0, PageFormat::kInt8}, {700, 2100, 0, PageFormat::kInt4}, {2100, 3001, 1, PageFormat::kInt4}}};
+  c.causal = true, c.norm = true, c.mma = MmaPath::kInt8;
+  c.rope = RopeLayout::kSplitHalves, c.rope_axes = 3, c.axis_dims[0] = 16, c.axis_dims[1] = 24, c.axis_dims[2] = 24;
+  c.projection_chunk = 1000, c.query_chunk = 1500;
+  c.seed = 19;
+  RunCase(c);
+}
+
+TEST(CudaLayer, Int8MmaInt8PagesUntransformedD128) {
+  SKIP_WITHOUT_GPU();
+  Case c{"int8-mma int8 untransformed N=1500 d=128", 1500, 512, 2, 128, {{0, 1500, 0, PageFormat::kInt8}}};
+  c.transforms = false, c.mma = MmaPath::kInt8;
+  c.seed = 21;
+  RunCase(c);
+}
+
+TEST(CudaLayer, Int8MmaRequestOverBf16PagesRunsBf16) {
+  Case c{"int8-mma over bf16", 300, 128, 2, 64, {{0, 100, 0, PageFormat::kBf16}, {100, 300, 0, PageFormat::kInt4}}};
+  c.mma = MmaPath::kInt8;
+  EXPECT_EQ(LayerMmaPath(MakeLayer(c).config, AttentionTilingChoice::kWgmma), MmaPath::kBf16);
+  c.ranges = {{0, 300, 0, PageFormat::kInt4}};
+  EXPECT_EQ(LayerMmaPath(MakeLayer(c).config, AttentionTilingChoice::kWgmma), MmaPath::kInt8);
+  EXPECT_EQ(LayerMmaPath(MakeLayer(c).config, AttentionTilingChoice::kTall), MmaPath::kBf16);
 }
 
 // The quantizers' reciprocal of a row scale skips __frcp_rn's range check (a half's reciprocal is

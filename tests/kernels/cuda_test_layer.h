@@ -82,6 +82,7 @@ struct Case {
   int64_t projection_chunk = 4096, query_chunk = 4096;
   uint64_t seed = 1;
   AttentionTilingChoice tiling = AttentionTilingChoice::kAuto;  // RunCaseEachKernel adds the others
+  MmaPath mma = MmaPath::kAuto;  // the CPU reference emulates the path the GPU resolves (LayerMmaPath)
 };
 
 inline float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
@@ -119,6 +120,7 @@ inline HostLayer MakeLayer(const Case& c) {
   cfg.shape = {c.n, c.hidden, c.heads, c.dim};
   cfg.ranges = c.ranges;
   cfg.attention.causal = c.causal;
+  cfg.attention.mma = c.mma;
   cfg.in_place = c.in_place;
   cfg.has_bias = c.bias;
   cfg.projection_chunk = c.projection_chunk;
