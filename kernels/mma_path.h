@@ -8,7 +8,7 @@
 //              s_q · scale_j · Σ_c q_c·code_jc  +  Σ_c q̂_c · lo_j        (INT4; INT8 pages have lo = 0)
 //          where Σ_c q̂_c is the sum of the bf16 query row itself. P·V stays bf16. Only pages in INT4
 //          or INT8 can take it: an entry holding any BF16 page runs kBf16 (ResolveMmaPath).
-//   kAuto  the fastest path that meets the accuracy bounds of bench/RESULTS.md for the entry's formats.
+//   kAuto  the fastest path that meets the accuracy bounds for the entry (ResolveMmaPath).
 // The path is a layer option (AttentionOptions::mma); kernels receive the resolved one.
 #pragma once
 
@@ -30,10 +30,15 @@ inline const char* MmaPathName(MmaPath path) {
   return "unknown";
 }
 
-// What a request for `requested` runs on an entry whose pages include BF16 ones or not. kAuto is
-// kBf16 until the INT8 path has met its accuracy and speed targets on the H200 (bench/RESULTS.md).
-inline MmaPath ResolveMmaPath(MmaPath requested, bool has_bf16_pages) {
-  if (requested == MmaPath::kInt8 && !has_bf16_pages) return MmaPath::kInt8;
+// What a request for `requested` runs on an entry of head_dim, rotated or not, with or without BF16
+// pages. kInt8 needs INT4/INT8 pages only. kAuto takes kInt8 where it measured faster and within its
+// accuracy bounds (H200, bench/RESULTS.md session 6): d = 128 on rotated entries — INT4 attention
+// 384 vs 363 TFLOP/s, INT8 369 vs 328, the path's own error ≤ 0.006; at d = 64 it was 5% slower, and
+// without the rotation Q's outlier channels coarsen each row's int8 step (rel L2 vs FP64 0.083 vs 0.006).
+inline MmaPath ResolveMmaPath(MmaPath requested, bool has_bf16_pages, int head_dim, bool rotated) {
+  if (has_bf16_pages) return MmaPath::kBf16;
+  if (requested == MmaPath::kInt8) return MmaPath::kInt8;
+  if (requested == MmaPath::kAuto && head_dim == 128 && rotated) return MmaPath::kInt8;
   return MmaPath::kBf16;
 }
 

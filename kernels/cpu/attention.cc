@@ -166,7 +166,7 @@ Error AttendFloat(const KvEntryView& kv, const QueryBlock& queries, const Attent
   const int d = kv.head_dim;
   const int heads = kv.n_heads;
   const float scale = EffectiveScale(attention, d);
-  const MmaPath mma = ResolveMmaPath(attention.mma, HasBf16Pages(kv));
+  const MmaPath mma = ResolveMmaPath(attention.mma, HasBf16Pages(kv), kv.head_dim, kv.rotate);
   const int64_t n_tiles = (queries.n_q + kQueryTile - 1) / kQueryTile;
   ParallelFor(options.n_threads, n_tiles * heads, [&](int64_t item) {
     const int64_t first = (item / heads) * kQueryTile;

@@ -117,9 +117,13 @@ TEST(Attention, Int8MmaOnAnEntryWithBf16PagesIsTheBf16Path) {
   bf16.mma = MmaPath::kBf16;
   int8.mma = MmaPath::kInt8;
   EXPECT_EQ(Attend(p, ranges, TransformOptions{}, queries, int8, 2), Attend(p, ranges, TransformOptions{}, queries, bf16, 2));
-  EXPECT_EQ(ResolveMmaPath(MmaPath::kInt8, /*has_bf16_pages=*/true), MmaPath::kBf16);
-  EXPECT_EQ(ResolveMmaPath(MmaPath::kInt8, false), MmaPath::kInt8);
-  EXPECT_EQ(ResolveMmaPath(MmaPath::kAuto, false), MmaPath::kBf16);
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kInt8, /*has_bf16_pages=*/true, 128, true), MmaPath::kBf16);
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kInt8, false, 64, false), MmaPath::kInt8);
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kAuto, false, 128, true), MmaPath::kInt8);
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kAuto, false, 64, true), MmaPath::kBf16);
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kAuto, false, 128, false), MmaPath::kBf16);
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kAuto, true, 128, true), MmaPath::kBf16);
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kBf16, false, 128, true), MmaPath::kBf16);
 }
 
 TEST(Attention, QueryCodesOfEdgeRows) {

@@ -123,7 +123,9 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
     h.k_norm_weight = L.k_norm.data();
     h.positions = cfg.rope.layout != RopeLayout::kNone ? L.positions.data() : nullptr;
     h.out = c.in_place ? cpu_x.data() : cpu_out.data();
-    ASSERT_OK(cpu::RunLayer(cfg, h, cpu_block.data(), cpu_ws.data(), cpu::CpuOptions{}, nullptr));
+    LayerConfig cpu_cfg = cfg;  // the MMA path this kernel runs, emulated (the CPU knows no kernels)
+    cpu_cfg.attention.mma = LayerMmaPath(cfg, c.tiling);
+    ASSERT_OK(cpu::RunLayer(cpu_cfg, h, cpu_block.data(), cpu_ws.data(), cpu::CpuOptions{}, nullptr));
     if (c.in_place) cpu_out = cpu_x;
   }
   {
@@ -433,12 +435,19 @@ TEST(CudaLayer, Int8MmaMixedIntegerFormatsSequencesCausalRopeNormD64) {
   RunCase(c);
 }
 
-TEST(CudaLayer, Int8MmaInt8PagesUntransformedD128) {
+// Without the rotation, Q's outlier channels set each row's int8 step: the path's own error grows
+// (H200, session 6: mma_rel_l2 0.0129, rel L2 vs FP64 0.083 against 0.006 rotated), which is why
+// kAuto takes the INT8 path only on rotated entries (ResolveMmaPath). The GPU still matches the CPU's
+// emulation of it.
+TEST(CudaLayer, Int8MmaInt8PagesD128RotatedAndNot) {
   SKIP_WITHOUT_GPU();
-  Case c{"int8-mma int8 untransformed N=1500 d=128", 1500, 512, 2, 128, {{0, 1500, 0, PageFormat::kInt8}}};
-  c.transforms = false, c.mma = MmaPath::kInt8;
+  Case c{"int8-mma int8 N=1500 d=128", 1500, 512, 2, 128, {{0, 1500, 0, PageFormat::kInt8}}};
+  c.mma = MmaPath::kInt8;
   c.seed = 21;
   RunCase(c);
+  c.name = "int8-mma int8 untransformed N=1500 d=128";
+  c.transforms = false;
+  RunCase(c, nullptr, /*check_exact=*/false);
 }
 
 TEST(CudaLayer, Int8MmaRequestOverBf16PagesRunsBf16) {
