@@ -23,7 +23,7 @@ and H3's fused QKV (x @ W_qkvᵀ, [152,263, 21,504] bf16 = 6.10 GiB) did not fit
     norm weights and positions (bench/oom12_ref.py), and each run's error against it.
 
 Prints "FIGURE oom12 ..." lines and writes JSON lines to --out (default $OUT/oom12.jsonl).
-A tiny run first: OOM12_N=8192 (or --n) keeps the cap, scales held to N (a flow check: at small
+A tiny run first: --n 8192 (h200.sh: OOM12_N="8192 152263") keeps the cap, scales held to N (a flow check: at small
 N kvpackd's own context outweighs what it saves, so PyTorch may not run out of memory there).
 Spot checks of the fit table (tools/fit_table): --cap_gib=CARD --held_gib=0 --n=ENTRY.
 """
@@ -32,9 +32,6 @@ import argparse
 import json
 import os
 import pathlib
-import signal
-import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -155,38 +152,6 @@ def sample_output(o, rows, heads):
 
 # ── kvpackd ─────────────────────────────────────────────────────────────────────────────────────
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_daemon(binary, budget, log_path, timeout_s=60):
-    port, metrics = free_port(), free_port()
-    log = open(log_path, "ab")
-    proc = subprocess.Popen([binary, "--backend=cuda", f"--listen=127.0.0.1:{port}",
-                             f"--metrics_address=127.0.0.1:{metrics}", f"--vram_budget={budget}",
-                             "--threads=1"], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvpackd exited with {proc.returncode}: {pathlib.Path(log_path).read_text()[-2000:]}")
-        if b"listening on" in pathlib.Path(log_path).read_bytes():
-            return proc, f"127.0.0.1:{port}"
-        time.sleep(0.05)
-    proc.kill()
-    raise TimeoutError(f"kvpackd did not start in {timeout_s} s")
-
-
-def stop_daemon(proc):
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
 def run_kvpack(client, mode, n, x_slice, weights, pos_np, out, out_slice, rows, heads, timeout_s):
     from kvpack.client import format_name
     from kvpack.errors import KvpackError
@@ -218,14 +183,14 @@ def run_kvpack(client, mode, n, x_slice, weights, pos_np, out, out_slice, rows, 
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=int(os.environ.get("OOM12_N", ref.H3_TOKENS)))
-    ap.add_argument("--cap_gib", type=float, default=float(os.environ.get("OOM12_CAP_GIB", ref.USER_CAP_GIB)))
+    ap.add_argument("--n", type=int, default=ref.H3_TOKENS)
+    ap.add_argument("--cap_gib", type=float, default=ref.USER_CAP_GIB)
     ap.add_argument("--held_gib", type=float, default=None,
                     help="bytes this process holds before the layer (default 6.09 GiB, scaled to N below H3's)")
     ap.add_argument("--held_on_top", action="store_true", help="held is other tensors on top of x and W")
-    ap.add_argument("--modes", default=os.environ.get("OOM12_MODES", "mixed,int4,int8,bf16"))
+    ap.add_argument("--modes", default="mixed,int4,int8,bf16")
     ap.add_argument("--kvpackd", default=os.environ.get("KVPACKD"))
-    ap.add_argument("--budget", default=os.environ.get("OOM12_BUDGET", "0.95"),
+    ap.add_argument("--budget", default="0.95",
                     help="kvpackd --vram_budget: a fraction of the free memory it finds at start, or bytes")
     ap.add_argument("--rows", type=int, default=1024, help="sampled query rows for the error")
     ap.add_argument("--heads", type=int, default=4, help="sampled heads for the error")
@@ -329,7 +294,7 @@ def main():
     proc = None
     try:
         free_before_daemon = torch.cuda.mem_get_info()[0]
-        proc, target = start_daemon(args.kvpackd, args.budget, args.log)
+        proc, target = ref.start_daemon(args.kvpackd, args.budget, args.log)
         import kvpack.client
         client = kvpack.client.Client(target)
         client.wait_ready(30)
@@ -368,7 +333,7 @@ def main():
         figure("kvpack ERROR " + text.strip().splitlines()[-1][:300])
         print(text, file=sys.stderr)
     finally:
-        rc = stop_daemon(proc) if proc is not None else None
+        rc = ref.stop_daemon(proc) if proc is not None else None
     overall = in_cap(t_start, time.monotonic())[0]
     figure(f"kvpack device_peak_in_cap_gib={gib(overall):.3f} cap_gib={gib(cap_eff):.3f} kvpackd_exit={rc}")
     records.append({"phase": "kvpack_overall", "peak_in_cap": overall, "kvpackd_exit": rc})
@@ -409,6 +374,8 @@ def main():
     records += runs
     with open(args.out, "a") as f:
         for r in records:
+            r.setdefault("n", n)
+            r.setdefault("cap", cap)
             f.write(json.dumps({k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()}) + "\n")
     print(f"oom12: {len(records)} records in {args.out}")
 

@@ -1,4 +1,4 @@
-"""The pure parts of bench/oom12.py (the request's 12 GiB out-of-memory case), tested on the CPU by
+"""The torch-free parts of bench/oom12.py (the request's 12 GiB out-of-memory case), tested on the CPU by
 bench/tests/test_oom12_ref.py with numpy and run on the GPU with torch through the same code.
 
 - H3's geometry and token layout: x [N, 5376] bf16, W_qkv [21504, 5376], 56 heads × 128, RMSNorm on
@@ -14,7 +14,12 @@ bench/tests/test_oom12_ref.py with numpy and run on the GPU with torch through t
 """
 
 import math
+import pathlib
 import re
+import signal
+import socket
+import subprocess
+import time
 
 import numpy as np
 
@@ -217,3 +222,45 @@ def errors(got, ref):
         dot = (g * r).sum(axis=1)
         cos.append(float(np.mean(dot / (np.linalg.norm(g, axis=1) * np.linalg.norm(r, axis=1) + 1e-300))))
     return {"rel_l2": math.sqrt(num / den), "worst_head_cos": min(cos), "mean_cos": float(np.mean(cos))}
+
+
+# ── the kvpackd process ─────────────────────────────────────────────────────────────────────────
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_daemon(binary, budget, log_path, timeout_s=60, backend="cuda"):
+    """kvpackd on free loopback ports with --vram_budget=budget, its output appended to log_path;
+    returns (process, target) once it printed "listening on" — in what this start appended (the
+    log may hold earlier runs)."""
+    port, metrics = free_port(), free_port()
+    log = pathlib.Path(log_path)
+    offset = log.stat().st_size if log.exists() else 0
+    with open(log, "ab") as f:
+        proc = subprocess.Popen([str(binary), f"--backend={backend}", f"--listen=127.0.0.1:{port}",
+                                 f"--metrics_address=127.0.0.1:{metrics}", f"--vram_budget={budget}",
+                                 "--threads=1"], stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvpackd exited with {proc.returncode}: "
+                               f"{log.read_bytes()[offset:].decode(errors='replace')[-2000:]}")
+        if b"listening on" in log.read_bytes()[offset:]:
+            return proc, f"127.0.0.1:{port}"
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise TimeoutError(f"kvpackd did not start in {timeout_s} s")
+
+
+def stop_daemon(proc, timeout_s=60):
+    """SIGTERM (kvpackd drains), then its exit code; killed after timeout_s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

@@ -63,3 +63,16 @@ def test_oom12_layer_matches_its_reference(layer, mode):
     e = r.errors([out[rows, h] for h in heads], want)
     assert e["rel_l2"] < TOL[mode], e
     assert e["worst_head_cos"] > 1 - TOL[mode], e
+
+
+def test_start_and_stop_twice_on_one_log(tmp_path):
+    """The second start waits for its own "listening on", not the first run's line in the log."""
+    import kvpack.client
+    log = tmp_path / "kvpackd.log"
+    for _ in range(2):
+        proc, target = r.start_daemon(testing.find_kvpackd(), 1 << 28, log, backend="cpu")
+        client = kvpack.client.Client(target)
+        assert client.status().budget_bytes == 1 << 28     # serving when start returns
+        client.close()
+        assert r.stop_daemon(proc) == 0
+    assert log.read_text().count("listening on") == 2
