@@ -26,6 +26,11 @@
 #   test (QUICK=1: N = 32768 only), and (WHEELS=.whl: grpcio/protobuf wheels; stubs generated beforehand into
 #   client/python/kvpack/v1) the Python tests of kvpack.torch: CUDA IPC by segment, stream order,
 #   torch.compile, ComfyUI's model when KVPACK_COMFYUI_DIR names a checkout (FIGURE lines in the summary).
+#     OOM12=1          then the request's 12 GiB out-of-memory case (bench/oom12.py; needs WHEELS): an
+#                      11.94 GiB cap, PyTorch's OOM, kvpackd per precision mode, errors vs float64
+# oom12 BUNDLE: that case alone (WHEELS=... as above). OOM12_N="8192 152263": a cheap flow check (cap kept,
+#   held scaled), then the full N (the default). OOM12_ARGS passes more flags (--cap_gib, --held_gib,
+#   --held_on_top, --modes, --no_torch, --no_reference: the fit-table spot checks, README.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/kvpack-h200}
 mkdir -p "$OUT" /tmp/h200-logs
@@ -176,8 +181,7 @@ run_daemon() {
       2>>"$LOGS/direct.err" | tee -a "$OUT/direct.jsonl"
   done
   if [[ -n "${WHEELS:-}" ]]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$ROOT/$WHEELS"/*.whl \
-      >"$LOGS/pytest.log" 2>&1
+    install_wheels
     # -s: the issue-17 tests print their figures (registrations per call, time outside the daemon,
     # compiled vs eager) as FIGURE lines. KVPACK_COMFYUI_DIR (a ComfyUI checkout) adds the real model.
     local t=$ROOT/client/python/tests
@@ -187,12 +191,39 @@ run_daemon() {
     say "pytest (kvpack.torch: CUDA IPC, segments, compile, ComfyUI) exit $?: $(tail -1 "$LOGS/pytest.log")"
     grep -h '^FIGURE' "$LOGS/pytest.log" | tee -a "$SUMMARY"
   fi
+  [[ -n "${OOM12:-}" ]] && run_oom12 "$B"
+  return 0
+}
+
+install_wheels() {  # grpcio/protobuf for the Python client, from $WHEELS, into /tmp/site (once)
+  [[ -f /tmp/site/.installed ]] && return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$ROOT/$WHEELS"/*.whl \
+    >>"$LOGS/pip.log" 2>&1 && touch /tmp/site/.installed
+}
+
+# ── the request's 12 GiB case ───────────────────────────────────────────────────────────────────────
+run_oom12() {  # bundle dir
+  local B; B=$(cd "${1:?oom12 needs a bundle dir}" && pwd)
+  export KVPACKD="$B/bin/kvpackd"
+  export LD_LIBRARY_PATH="$B/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  [[ -n "${WHEELS:-}" ]] || { say "oom12: needs WHEELS (grpcio/protobuf wheels for the Python client)"; return 1; }
+  install_wheels
+  local n
+  for n in ${OOM12_N:-152263}; do  # e.g. OOM12_N="8192 152263": the flow check, then the case
+    # shellcheck disable=SC2086  # OOM12_ARGS is a list of flags
+    PYTHONPATH=/tmp/site:$ROOT/client/python timeout "${OOM12_TIMEOUT:-540}" python3 "$ROOT/bench/oom12.py" \
+      --n "$n" --kvpackd "$KVPACKD" --out "$OUT/oom12.jsonl" --log "$LOGS/oom12-kvpackd.log" ${OOM12_ARGS:-} \
+      >"$LOGS/oom12-$n.log" 2>&1
+    say "oom12 (N = $n) exit $?: $(tail -1 "$LOGS/oom12-$n.log")"
+    grep -h '^FIGURE oom12' "$LOGS/oom12-$n.log" | tee -a "$SUMMARY"
+  done
 }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
     kernels) run_kernels; shift ;;
     daemon) run_daemon "${2:?daemon BUNDLE}"; shift 2 ;;
-    *) echo "h200.sh: unknown mode $1 (kernels | daemon BUNDLE)"; exit 2 ;;
+    oom12) run_oom12 "${2:?oom12 BUNDLE}"; shift 2 ;;
+    *) echo "h200.sh: unknown mode $1 (kernels | daemon BUNDLE | oom12 BUNDLE)"; exit 2 ;;
   esac
 done
