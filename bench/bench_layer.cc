@@ -1,7 +1,7 @@
 // bench_layer: one attention layer of the CUDA engine on seeded inputs (bench_inputs.h).
 //
 //   bench_layer --n=32768 --hidden=7168 --heads=56 --dim=128 --format=int4 [--in_place=1] [--reps=3]
-//               [--tp=4096] [--tq=4096] [--tiling=auto|tall|wide|wgmma] [--rows_out=/tmp/rows.bin] [--gemm=1]
+//               [--tp=4096] [--tq=4096] [--tiling=auto|mma_sync|tall|wide|wgmma] [--rows_out=/tmp/rows.bin] [--gemm=1]
 //               [--digest=1]
 //
 // Prints one JSON line: median layer time over --reps timed runs (inputs refilled before each, so an
@@ -101,13 +101,15 @@ int main(int argc, char** argv) {
   ctx.attention_tiling = tiling == "wide"    ? cuda::AttentionTilingChoice::kWide
                          : tiling == "tall"  ? cuda::AttentionTilingChoice::kTall
                          : tiling == "wgmma" ? cuda::AttentionTilingChoice::kWgmma
+                         : tiling == "mma_sync" ? cuda::AttentionTilingChoice::kMmaSync
                                              : cuda::AttentionTilingChoice::kAuto;
-  if (ctx.attention_tiling == cuda::AttentionTilingChoice::kAuto) {
+  if (ctx.attention_tiling == cuda::AttentionTilingChoice::kAuto ||
+      ctx.attention_tiling == cuda::AttentionTilingChoice::kMmaSync) {
     cuda::AttentionTilingChoice resolved;
-    CHECK_OK(cuda::ResolveAttentionTiling(dim, PageBytes(format, dim), &resolved));
-    tiling = resolved == cuda::AttentionTilingChoice::kWide    ? "auto:wide"
-             : resolved == cuda::AttentionTilingChoice::kWgmma ? "auto:wgmma"
-                                                               : "auto:tall";
+    CHECK_OK(cuda::ResolveAttentionTiling(dim, PageBytes(format, dim), ctx.attention_tiling, &resolved));
+    tiling += resolved == cuda::AttentionTilingChoice::kWide    ? ":wide"
+              : resolved == cuda::AttentionTilingChoice::kWgmma ? ":wgmma"
+                                                                : ":tall";
   }
   CHECK_CUDA(cudaStreamCreate(&ctx.stream));
   if (cublasLtCreate(&ctx.blas) != CUBLAS_STATUS_SUCCESS) return 1;

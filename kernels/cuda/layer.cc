@@ -319,7 +319,9 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
                                                       : 1.0f / std::sqrt(static_cast<float>(c.shape.head_dim));
   a.visibility.causal = c.attention.causal;
   a.max_page_bytes = MaxPageBytes(c);
-  a.tiling = ctx.attention_tiling;
+  // The kernel for this entry on this GPU (kernel_choice.h), once: an impossible request (wgmma off
+  // Hopper, pages too large for the GPU's shared memory) fails here, before any query chunk.
+  KVPACK_RETURN_IF_ERROR(ResolveAttentionTiling(c.shape.head_dim, a.max_page_bytes, ctx.attention_tiling, &a.tiling));
 
   // Launches of whole waves where the chunk holds one (the Q buffer is sized for QueryRows).
   int64_t tq = QueryRows(c), wave_rows = 0;

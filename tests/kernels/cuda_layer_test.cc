@@ -10,6 +10,7 @@
 //   3. attention: output (poisoned with NaN before the run) vs FP64 attention over the GPU's own
 //      decoded pages (tests the attention kernel alone) and vs FP64 unquantized attention (the
 //      end-to-end accuracy of the format).
+#include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/layer.h"
 #include "kernels/cuda/row_epilogue.h"
 
@@ -269,12 +270,22 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
   if (errors) *errors = {err_decoded, err_exact};
 }
 
-// Runs the case with its own tiling choice (kAuto: the default kernel) and again with every other one.
+// Whether this GPU and build run the wgmma kernel (kernel_choice.h: sm_90 and a binary with sm_90a).
+bool DeviceRunsWgmma() {
+  DeviceCaps caps;
+  AttentionKernelChoice choice;
+  return CurrentDeviceCaps(&caps).ok() &&
+         ChooseAttentionKernel(caps, 64, PageBytes(PageFormat::kInt4, 64), AttentionTilingChoice::kWgmma, &choice).ok();
+}
+
+// Runs the case with its own tiling choice (kAuto: the default kernel) and again with every other one
+// the GPU runs (kWgmma on sm_90 only, where kAuto is kWgmma too).
 void RunCaseEachKernel(Case c) {
   const AttentionTilingChoice own = c.tiling;
   RunCase(c);
   for (AttentionTilingChoice k : {AttentionTilingChoice::kTall, AttentionTilingChoice::kWgmma}) {
     if (k == own || (own == AttentionTilingChoice::kAuto && k == AttentionTilingChoice::kWgmma)) continue;
+    if (k == AttentionTilingChoice::kWgmma && !DeviceRunsWgmma()) continue;
     c.tiling = k;
     RunCase(c);
   }
@@ -344,6 +355,7 @@ TEST(CudaLayer, CancelStopsBetweenChunks) {
 
 TEST(CudaLayer, AutoTilingIsTheWgmmaKernelForEveryPageSize) {
   SKIP_WITHOUT_GPU();
+  if (!DeviceRunsWgmma()) GTEST_SKIP() << "not an sm_90 GPU (or no sm_90a in this build): auto is mma_sync here";
   for (int dim : {64, 128}) {
     for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8, PageFormat::kBf16}) {
       AttentionTilingChoice t;
@@ -351,6 +363,29 @@ TEST(CudaLayer, AutoTilingIsTheWgmmaKernelForEveryPageSize) {
       EXPECT_EQ(t, AttentionTilingChoice::kWgmma);
       EXPECT_LE(AttentionSharedBytes(dim, PageBytes(f, dim), t), 227 * 1024 - 10 * 1024);  // + static, per SM
     }
+  }
+}
+
+// The caps the choice reads come from the device, and a forced mma_sync resolves to one of its tilings
+// wherever it fits (kernel_choice_test covers every arch's limits without a GPU).
+TEST(CudaLayer, DeviceCapsAndTheForcedPortableKernel) {
+  SKIP_WITHOUT_GPU();
+  DeviceCaps caps;
+  ASSERT_OK(CurrentDeviceCaps(&caps));
+  EXPECT_GE(caps.cc_major, 8);
+  EXPECT_GT(caps.sm_count, 0);
+  EXPECT_GE(caps.smem_per_block_optin, 99 * 1024);
+  EXPECT_GE(caps.smem_per_sm, caps.smem_per_block_optin);
+  EXPECT_EQ(caps.has_sm90a_code, BuiltWithSm90a());
+  AttentionTilingChoice t;
+  ASSERT_OK(ResolveAttentionTiling(64, PageBytes(PageFormat::kInt4, 64), AttentionTilingChoice::kMmaSync, &t));
+  EXPECT_TRUE(t == AttentionTilingChoice::kTall || t == AttentionTilingChoice::kWide);
+  if (caps.cc_major == 9 && caps.cc_minor == 0) {
+    // H200: two 4-warp CTAs fit with INT4 pages at d = 128, one 8-warp CTA with BF16 ones.
+    ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kInt4, 128), AttentionTilingChoice::kMmaSync, &t));
+    EXPECT_EQ(t, AttentionTilingChoice::kTall);
+    ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kBf16, 128), AttentionTilingChoice::kMmaSync, &t));
+    EXPECT_EQ(t, AttentionTilingChoice::kWide);
   }
 }
 
