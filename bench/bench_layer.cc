@@ -1,7 +1,8 @@
 // bench_layer: one attention layer of the CUDA engine on seeded inputs (bench_inputs.h).
 //
 //   bench_layer --n=32768 --hidden=7168 --heads=56 --dim=128 --format=int4 [--in_place=1] [--reps=3]
-//               [--tp=4096] [--tq=4096] [--tiling=auto|tall|wide|wgmma] [--mma=auto|bf16|int8] [--rows_out=/tmp/rows.bin] [--gemm=1]
+//               [--tp=4096] [--tq=4096] [--tiling=auto|mma_sync|tall|wide|wgmma] [--mma=auto|bf16|int8]
+//               [--rows_out=/tmp/rows.bin] [--gemm=1]
 //               [--digest=1]
 //
 // Prints one JSON line: median layer time over --reps timed runs (inputs refilled before each, so an
@@ -103,13 +104,16 @@ int main(int argc, char** argv) {
   ctx.attention_tiling = tiling == "wide"    ? cuda::AttentionTilingChoice::kWide
                          : tiling == "tall"  ? cuda::AttentionTilingChoice::kTall
                          : tiling == "wgmma" ? cuda::AttentionTilingChoice::kWgmma
+                         : tiling == "mma_sync" ? cuda::AttentionTilingChoice::kMmaSync
                                              : cuda::AttentionTilingChoice::kAuto;
-  if (ctx.attention_tiling == cuda::AttentionTilingChoice::kAuto) {
-    cuda::AttentionTilingChoice resolved;
-    CHECK_OK(cuda::ResolveAttentionTiling(dim, PageBytes(format, dim), &resolved));
-    tiling = resolved == cuda::AttentionTilingChoice::kWide    ? "auto:wide"
-             : resolved == cuda::AttentionTilingChoice::kWgmma ? "auto:wgmma"
-                                                               : "auto:tall";
+  cuda::AttentionTilingChoice resolved;
+  MmaPath mma_path;
+  CHECK_OK(cuda::ResolveLayerKernel(config, ctx.attention_tiling, &resolved, &mma_path));
+  if (ctx.attention_tiling == cuda::AttentionTilingChoice::kAuto ||
+      ctx.attention_tiling == cuda::AttentionTilingChoice::kMmaSync) {
+    tiling += resolved == cuda::AttentionTilingChoice::kWide    ? ":wide"
+              : resolved == cuda::AttentionTilingChoice::kWgmma ? ":wgmma"
+                                                                : ":tall";
   }
   CHECK_CUDA(cudaStreamCreate(&ctx.stream));
   if (cublasLtCreate(&ctx.blas) != CUBLAS_STATUS_SUCCESS) return 1;
@@ -228,7 +232,7 @@ int main(int argc, char** argv) {
       layer_bytes / 1073741824.0,
       kv_bytes / 1073741824.0, ws_bytes / 1073741824.0, (free_before - free_after) / 1073741824.0,
       static_cast<long long>(config.projection_chunk), static_cast<long long>(config.query_chunk), tiling.c_str(),
-      MmaPathName(cuda::LayerMmaPath(config, ctx.attention_tiling)), digests);
+      MmaPathName(mma_path), digests);
   cudaFree(x);
   cudaFree(w);
   cublasLtDestroy(ctx.blas);

@@ -28,7 +28,7 @@ namespace {
 constexpr char kUsage[] = R"(usage: kvpack --server ADDR [--token_file F] [--tenant T] [--timeout S] [--tls_ca_file F] COMMAND [flags]
 commands:
   health   grpc.health.v1 status of the daemon (exit 0 when SERVING)
-  status   budget, pool by state and format, high-water, queue, this tenant's use
+  status   attention kernel and GPU arch, budget, pool by state and format, high-water, queue, this tenant's use
   plan     the daemon's plan for a synthetic layer (formats, chunks, bytes) or why it does not fit
   run      run a synthetic layer; report time, peak pool bytes and error vs the local CPU reference
   bench    repeated or concurrent layers: progress, latency percentiles (--transfer_mib: upload GB/s)
@@ -191,6 +191,12 @@ int Status(Client& c) {
   if (!s.ok()) return Fail(s.status());
   std::printf("kvpackd %s, backend %s, %s\n", s->version().c_str(), s->backend().c_str(),
               s->serving() ? "serving" : "NOT serving");
+  if (s->compute_capability().empty()) {
+    std::printf("kernel        %s\n", s->attention_kernel().c_str());
+  } else {
+    std::printf("kernel        %s on %s, %d SMs (binary: %s)\n", s->attention_kernel().c_str(),
+                s->compute_capability().c_str(), s->sm_count(), s->cuda_archs_built().c_str());
+  }
   std::printf("budget        %s\n", Bytes(s->budget_bytes()).c_str());
   std::printf("pool          %s (high-water %s, mapped %s, reserved %s)\n", Bytes(s->pool_bytes()).c_str(),
               Bytes(s->high_water_bytes()).c_str(), Bytes(s->mapped_bytes()).c_str(), Bytes(s->reserved_bytes()).c_str());

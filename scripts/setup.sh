@@ -2,7 +2,8 @@
 # Installs what kvpack needs on a fresh Debian 12 machine; idempotent (does nothing when all is there).
 #   Debian: compilers and CMake, gRPC, protobuf, Abseil, prometheus-cpp, GoogleTest, Prometheus, ccache,
 #           clang with its sanitizer and libFuzzer runtimes (scripts/sanitize.sh, scripts/fuzz.sh)
-#   PyPI:   the Python client's build and test tools (client/python)
+#   PyPI:   the Python client's build and test tools (client/python); cuobjdump where nvcc is
+#           found without it (tests/kernels cuda_archs_test)
 # The CUDA toolkit is optional: where /usr/local/cuda/bin/nvcc exists the kernels are built too.
 set -euo pipefail
 
@@ -24,4 +25,9 @@ fi
 here=$(cd "$(dirname "$0")/.." && pwd)
 if [ -f "$here/client/python/requirements-dev.txt" ]; then
   python3 -m pip install -q --disable-pip-version-check -r "$here/client/python/requirements-dev.txt"
+fi
+# cuobjdump for ctest cuda_archs_test (which archs the kernels library holds), where the kernels are
+# built and the toolkit has none: NVIDIA's PyPI wheel (tests/kernels/CMakeLists.txt finds it).
+if [ -x /usr/local/cuda/bin/nvcc ] && [ ! -x /usr/local/cuda/bin/cuobjdump ] && ! command -v cuobjdump >/dev/null; then
+  python3 -m pip install -q --disable-pip-version-check "nvidia-cuda-cuobjdump>=13,<14"
 fi

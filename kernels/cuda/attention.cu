@@ -6,17 +6,39 @@
 #include <numeric>
 #include <string>
 
+#include "kernels/attention_smem.h"
 #include "kernels/cuda/attention_sm80_mma.h"
 #include "kernels/cuda/attention_sm90.h"
+#include "kernels/cuda/attention_sm90_tile.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/device_caps.h"
+#include "kernels/kernel_choice.h"
+#include "kernels/page_codec.h"
 
 namespace kvpack::cuda {
 namespace {
 
-// kAuto: the wgmma kernel for every format and head_dim (one CTA of at most ~207 KB of shared
-// memory, BF16 pages at d = 128, always fits an H200 SM); it is the fastest in every measured case.
-AttentionTilingChoice Resolve(AttentionTilingChoice tiling) {
-  return tiling == AttentionTilingChoice::kAuto ? AttentionTilingChoice::kWgmma : tiling;
+// The choice (kernel_choice.h) reads attention_smem.h; the wgmma kernel sizes itself from
+// attention_sm90_tile.h (which the lead's kernel work owns): both must give the same bytes.
+static_assert(kAttentionTileQueries == kTileQueries, "attention_smem.h's tile");
+static_assert(kWgmmaDynamicLimit == kSm90MaxDynamicSmem && kWgmmaDeepStages == kSm90DeepStages,
+              "attention_smem.h's wgmma stage rule");
+template <int kDim>
+constexpr bool Sm90FiguresAgree(PageFormat f) {
+  const int page = PageBytes(f, kDim);
+  return WgmmaStagesFor(kDim, page) == Sm90Stages<kDim>(page) &&
+         WgmmaDynamicSmemFor(kDim, kSm90DeepStages, page) == Sm90DynamicSmem<kDim, kSm90DeepStages>(page) &&
+         WgmmaDynamicSmemFor(kDim, 2, page) == Sm90DynamicSmem<kDim, 2>(page);
+}
+static_assert(Sm90FiguresAgree<64>(PageFormat::kInt4) && Sm90FiguresAgree<64>(PageFormat::kInt8) &&
+                  Sm90FiguresAgree<64>(PageFormat::kBf16) && Sm90FiguresAgree<128>(PageFormat::kInt4) &&
+                  Sm90FiguresAgree<128>(PageFormat::kInt8) && Sm90FiguresAgree<128>(PageFormat::kBf16),
+              "attention_smem.h's wgmma bytes = attention_sm90_tile.h's");
+
+// What params.tiling becomes on this device: the one choice (kernel_choice.h), with its reason
+// when the request cannot run here.
+Error Resolve(const AttentionParams& params, AttentionTilingChoice* tiling) {
+  return ResolveAttentionTiling(params.kv.head_dim, params.max_page_bytes, params.tiling, tiling);
 }
 
 }  // namespace
@@ -30,30 +52,39 @@ Error AttentionSupported(const KvEntryView& kv) {
 }
 
 int AttentionSharedBytes(int head_dim, int max_page_bytes, AttentionTilingChoice tiling) {
-  const int mma_sync = AttentionSm80SharedBytes(head_dim, max_page_bytes);
-  const int wgmma = AttentionSm90SharedBytes(head_dim, max_page_bytes);
+  const int mma_sync = MmaSyncDynamicSmem(head_dim, max_page_bytes);
+  const int wgmma = WgmmaDynamicSmem(head_dim, max_page_bytes);
   switch (tiling) {
     case AttentionTilingChoice::kTall:
-    case AttentionTilingChoice::kWide: return mma_sync;
+    case AttentionTilingChoice::kWide:
+    case AttentionTilingChoice::kMmaSync: return mma_sync;
     case AttentionTilingChoice::kWgmma: return wgmma;
     case AttentionTilingChoice::kAuto: break;
   }
   return mma_sync > wgmma ? mma_sync : wgmma;
 }
 
-Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved) {
-  if (head_dim != 64 && head_dim != 128) return Unsupported("attention: head_dim = " + std::to_string(head_dim));
-  (void)max_page_bytes;  // every page size fits the wgmma kernel's one CTA per SM
-  *resolved = Resolve(AttentionTilingChoice::kAuto);
+Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice requested,
+                             AttentionTilingChoice* resolved) {
+  DeviceCaps caps;
+  KVPACK_RETURN_IF_ERROR(CurrentDeviceCaps(&caps));
+  AttentionKernelChoice choice;
+  KVPACK_RETURN_IF_ERROR(ChooseAttentionKernel(caps, head_dim, max_page_bytes, requested, &choice));
+  *resolved = choice.tiling;
   return Error::Ok();
 }
 
-bool TilingHasInt8Mma(AttentionTilingChoice tiling) { return Resolve(tiling) == AttentionTilingChoice::kWgmma; }
+Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved) {
+  return ResolveAttentionTiling(head_dim, max_page_bytes, AttentionTilingChoice::kAuto, resolved);
+}
+
+bool TilingHasInt8Mma(AttentionTilingChoice tiling) { return tiling == AttentionTilingChoice::kWgmma; }
 
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream) {
   KVPACK_RETURN_IF_ERROR(AttentionSupported(params.kv));
   if (params.n_q == 0) return Error::Ok();
-  const AttentionTilingChoice tiling = Resolve(params.tiling);
+  AttentionTilingChoice tiling;
+  KVPACK_RETURN_IF_ERROR(Resolve(params, &tiling));
   if (params.mma != MmaPath::kBf16 && params.mma != MmaPath::kInt8) {
     return InvalidArgument("attention: mma path " + std::string(MmaPathName(params.mma)) + " is not resolved");
   }
@@ -69,7 +100,8 @@ Error AttentionWaveRows(const AttentionParams& params, int64_t* rows) {
   int device = 0, sms = 0, ctas = 0;
   KVPACK_CUDA_RETURN(cudaGetDevice(&device));
   KVPACK_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const AttentionTilingChoice tiling = Resolve(params.tiling);
+  AttentionTilingChoice tiling;
+  KVPACK_RETURN_IF_ERROR(Resolve(params, &tiling));
   KVPACK_RETURN_IF_ERROR(tiling == AttentionTilingChoice::kWgmma ? AttentionSm90CtasPerSm(params, &ctas)
                                                                   : AttentionSm80CtasPerSm(params, tiling, &ctas));
   if (ctas <= 0) return Error(ErrorCode::kInternal, "attention: the kernel fits no CTA on an SM");

@@ -23,6 +23,7 @@
 
 #include "kernels/error.h"
 #include "kernels/format.h"
+#include "kernels/kernel_choice.h"
 #include "kernels/layer_spec.h"
 #include "kernels/mma_path.h"
 #include "kernels/visibility.h"
@@ -31,13 +32,15 @@ namespace kvpack::cuda {
 
 inline constexpr int kTileQueries = 128;
 
-// Which kernel and warp layout run the 128 query rows of a CTA. kTall: mma.sync, 4 warps × 32 rows,
-// two CTAs per SM — every K/V fragment read from shared memory feeds two MMAs (H200, N = 32768, INT4:
-// 200 TFLOP/s). kWide: mma.sync, 8 warps × 16 rows, one CTA per SM (166 TFLOP/s there, but 200 with
-// BF16 pages, whose 64 KiB raw stages leave room for only one kTall CTA: 148). kWgmma: Hopper's
-// wgmma, two producer warp groups decoding pages and two consumer warp groups of 64 rows
-// (attention_wgmma.cu; bench/RESULTS.md runs 4–12: 358 TFLOP/s over INT4). kAuto picks kWgmma.
-enum class AttentionTilingChoice : uint8_t { kAuto = 0, kTall = 1, kWide = 2, kWgmma = 3 };
+// Which kernel and warp layout run the 128 query rows of a CTA: kernels/kernel_choice.h, the one
+// place that chooses (kAuto, kMmaSync) and checks a forced choice against the GPU (kTall, kWide,
+// kWgmma). kTall: mma.sync, 4 warps × 32 rows, two CTAs per SM — every K/V fragment read from
+// shared memory feeds two MMAs (H200, N = 32768, INT4: 200 TFLOP/s). kWide: mma.sync, 8 warps × 16
+// rows, one CTA per SM (166 TFLOP/s there, but 200 with BF16 pages, whose 64 KiB raw stages leave
+// room for only one kTall CTA: 148). kWgmma: Hopper's wgmma, two producer warp groups decoding pages
+// and two consumer warp groups of 64 rows (attention_sm90.cu; bench/RESULTS.md runs 4–12: 358
+// TFLOP/s over INT4), only on sm_90 in a binary built with 90a.
+using ::kvpack::AttentionTilingChoice;
 
 struct AttentionParams {
   const uint16_t* q = nullptr;   // bf16 [n_q, H·d], rotated and balanced (R·(q⊙λ))
@@ -59,9 +62,14 @@ struct AttentionParams {
 // OK for head_dim 64 / 128 and a non-empty entry.
 Error AttentionSupported(const KvEntryView& kv);
 // Bytes of dynamic shared memory one CTA of `tiling` uses (part of Launch's answer to the planner;
-// no global workspace is needed). kAuto: the largest of the choices.
+// no global workspace is needed): kernels/attention_smem.h's figures. kAuto / kMmaSync: the largest
+// of the choices they may become.
 int AttentionSharedBytes(int head_dim, int max_page_bytes, AttentionTilingChoice tiling = AttentionTilingChoice::kAuto);
-// What kAuto becomes for an entry whose largest page has max_page_bytes.
+// What `requested` becomes on the current device for an entry whose largest page has max_page_bytes
+// (ChooseAttentionKernel with the device's caps): kTall, kWide or kWgmma, or the error saying why
+// the request cannot run on this GPU. The 3-argument form resolves kAuto.
+Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice requested,
+                             AttentionTilingChoice* resolved);
 Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved);
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream);
 // Whether `tiling` (kAuto resolved) runs the INT8 MMA path (the wgmma kernel; the mma.sync kernels

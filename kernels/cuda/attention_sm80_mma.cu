@@ -6,6 +6,7 @@
 
 #include <type_traits>
 
+#include "kernels/attention_smem.h"
 #include "kernels/cuda/attention_device.cuh"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/page_codec.cuh"
@@ -40,6 +41,13 @@ struct AttentionTraits {
   static_assert(kWindow % kThreads == 0, "window split evenly");
   static constexpr int kKTiles = kDim / 16;   // k-steps of S = Q·Kᵀ
   static constexpr int kONTiles = kDim / 8;   // n-tiles of O
+  // The kernel choice (kernel_choice.h) sizes CTAs with attention_smem.h: the same layout.
+  static_assert(kPitch == MmaSyncPitch(kDim) && kRawOffset == MmaSyncRawOffset(kDim) && kWindow == kMmaSyncWindow,
+                "attention_smem.h's mma.sync layout");
+  static_assert(kThreads == kMmaSyncTallThreads || kThreads == kMmaSyncWideThreads, "attention_smem.h's thread counts");
+  static_assert((sizeof(QueryRuns) + sizeof(VisibleScratch<kThreads, kWindow>) + 127) / 128 * 128 ==
+                    static_cast<size_t>(MmaSyncStaticSmem(kThreads)),
+                "attention_smem.h's static shared memory");
 };
 
 // ── PTX wrappers ────────────────────────────────────────────────────────────────────────────────
@@ -292,7 +300,8 @@ __global__ void __launch_bounds__(32 * kWarps, (AttentionTraits<kDim, kWarps, kM
 
 template <int kDim, int kWarps, int kMTiles>
 int DynamicSmem(int max_page_bytes) {
-  return AttentionTraits<kDim, kWarps, kMTiles>::kRawOffset + 4 * max_page_bytes;  // + 2 raw stages × (K + V)
+  static_assert(AttentionTraits<kDim, kWarps, kMTiles>::kRawOffset == MmaSyncRawOffset(kDim), "one layout");
+  return MmaSyncDynamicSmem(kDim, max_page_bytes);  // + 2 raw stages × (K + V)
 }
 
 // Raises the kernel's dynamic shared-memory limit to what `max_page_bytes` needs and asks for the
@@ -338,8 +347,7 @@ Error WithTiling(int head_dim, AttentionTilingChoice tiling, F&& f) {
 }  // namespace
 
 int AttentionSm80SharedBytes(int head_dim, int max_page_bytes) {
-  const int raw = 2 * 2 * max_page_bytes;  // 2 stages × (K + V); kTall and kWide share the layout
-  return (head_dim == 128 ? AttentionTraits<128, 4, 2>::kRawOffset : AttentionTraits<64, 4, 2>::kRawOffset) + raw;
+  return MmaSyncDynamicSmem(head_dim, max_page_bytes);  // kTall and kWide share the layout
 }
 
 Error LaunchAttentionSm80(const AttentionParams& params, AttentionTilingChoice tiling, cudaStream_t stream) {

@@ -159,6 +159,13 @@ MmaPath LayerMmaPath(const LayerConfig& c, AttentionTilingChoice tiling) {
   return TilingHasInt8Mma(tiling) ? ResolveMmaPath(c.attention.mma, has_bf16, c.shape.head_dim, c.transforms.rotate) : MmaPath::kBf16;
 }
 
+Error ResolveLayerKernel(const LayerConfig& c, AttentionTilingChoice requested, AttentionTilingChoice* tiling,
+                         MmaPath* mma) {
+  KVPACK_RETURN_IF_ERROR(ResolveAttentionTiling(c.shape.head_dim, MaxPageBytes(c), requested, tiling));
+  *mma = LayerMmaPath(c, *tiling);
+  return Error::Ok();
+}
+
 namespace {
 
 // The statistics pre-pass: sample, project, epilogue to float, reduce into the entry's tables.
@@ -329,8 +336,9 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
                                                       : 1.0f / std::sqrt(static_cast<float>(c.shape.head_dim));
   a.visibility.causal = c.attention.causal;
   a.max_page_bytes = MaxPageBytes(c);
-  a.tiling = ctx.attention_tiling;
-  a.mma = LayerMmaPath(c, a.tiling);
+  // The kernel for this entry on this GPU (kernel_choice.h), once: an impossible request (wgmma off
+  // Hopper, pages too large for the GPU's shared memory) fails here, before any query chunk.
+  KVPACK_RETURN_IF_ERROR(ResolveLayerKernel(c, ctx.attention_tiling, &a.tiling, &a.mma));
 
   // Launches of whole waves where the chunk holds one (the Q buffer is sized for QueryRows).
   int64_t tq = QueryRows(c), wave_rows = 0;

@@ -72,9 +72,13 @@ uint64_t KvBytes(const LayerConfig& config);
 // [Tq, H·d] bf16 and the pre-pass buffers.
 uint64_t WorkspaceBytes(const LayerConfig& config);
 
-// The MMA path AttendLayer runs for `config` with `tiling` (mma_path.h): config.attention.mma resolved
-// against the ranges' formats, and kBf16 on kernels without the INT8 path.
+// The MMA path AttendLayer runs for `config` on the resolved kernel `tiling` (mma_path.h):
+// config.attention.mma resolved against the entry, and kBf16 on kernels without the INT8 path.
 MmaPath LayerMmaPath(const LayerConfig& config, AttentionTilingChoice tiling);
+// The kernel (kernel_choice.h, on the current device) and MMA path AttendLayer runs for `config` when
+// asked for `requested`; the error says why the request cannot run here.
+Error ResolveLayerKernel(const LayerConfig& config, AttentionTilingChoice requested, AttentionTilingChoice* tiling,
+                         MmaPath* mma);
 
 // ── Layer driver (device pointers throughout: tensors, kv, workspace) ────────────────────────────
 

@@ -31,10 +31,15 @@ absl::StatusOr<BackendKind> ParseBackendKind(const std::string& text) {
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options, std::string* note) {
+  const bool forced_kernel = options.attention_kernel != AttentionTilingChoice::kAuto;
   if (options.kind != BackendKind::kCpu) {
 #if defined(KVPACK_HAVE_CUDA_BACKEND)
     std::string why;
-    std::unique_ptr<Backend> cuda = MakeCudaBackend(CudaBackendOptions{}, &why);
+    absl::Status refused;
+    CudaBackendOptions cuda_options;
+    cuda_options.attention_kernel = options.attention_kernel;
+    std::unique_ptr<Backend> cuda = MakeCudaBackend(cuda_options, &why, &refused);
+    if (!refused.ok()) return refused;  // a GPU answered but cannot run the forced kernel
     if (cuda != nullptr) {
       *note = "CUDA backend";
       return cuda;
@@ -45,6 +50,11 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& optio
 #endif
   } else {
     *note = "CPU backend (--backend=cpu)";
+  }
+  if (forced_kernel) {
+    return absl::FailedPreconditionError(std::string("--attention_kernel=") +
+                                         AttentionKernelName(options.attention_kernel) +
+                                         " needs the CUDA backend; " + *note);
   }
   return MakeCpuBackend(options.cpu_threads);
 }

@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kernels/kernel_choice.h"
 #include "kernels/layer_spec.h"
 #include "server/core/layer_request.h"
 #include "server/core/pool.h"
@@ -39,6 +40,15 @@ struct DeviceIdentity {
   int ordinal = -1;
   std::string uuid;        // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
   std::string pci_bus_id;  // "0000:3b:00.0"
+};
+
+// Which attention kernel serves and on what (Status fields 32–35, /metrics kvpack_device_info).
+// The CPU backend: kernel "cpu", the rest empty / 0.
+struct KernelInfo {
+  std::string compute_capability;      // the GPU's, "sm_86"
+  std::string attention_kernel = "cpu";  // "wgmma" or "mma_sync" (kernels/kernel_choice.h) or "cpu"
+  std::string cuda_archs_built;        // "sm_80,…,compute_120": the code the binary holds
+  int sm_count = 0;
 };
 
 class Backend {
@@ -76,6 +86,7 @@ class Backend {
   virtual absl::Status CopyFromPool(void* host_dst, const void* pool_src, uint64_t bytes) = 0;
   virtual DeviceMemory QueryDeviceMemory() const { return {}; }
   virtual DeviceIdentity Identity() const { return {}; }
+  virtual KernelInfo Kernel() const { return {}; }
   // Whether tensors in host memory (inline uploads, shm regions) can be passed straight to Run.
   virtual bool ReadsHostMemory() const = 0;
 
@@ -124,6 +135,10 @@ absl::StatusOr<BackendKind> ParseBackendKind(const std::string& text);
 struct BackendOptions {
   BackendKind kind = BackendKind::kAuto;
   int cpu_threads = 0;  // threads per CPU layer call; 0: all cores
+  // --attention_kernel (kernels/kernel_choice.h ParseAttentionKernel): kAuto, kWgmma or kMmaSync.
+  // Anything but kAuto needs the CUDA backend and a GPU that runs that kernel: MakeBackend fails
+  // (FAILED_PRECONDITION, naming the flag and the GPU) rather than serve on something else.
+  AttentionTilingChoice attention_kernel = AttentionTilingChoice::kAuto;
 };
 
 // The backend for `options.kind`: kCuda and kAuto use the CUDA backend when it is built and a
@@ -131,7 +146,8 @@ struct BackendOptions {
 //
 // The CUDA seam: server/backends/cuda_backend.{h,cc} (compiled when that file and the kvpack_cuda
 // target exist, which defines KVPACK_HAVE_CUDA_BACKEND) provides
-//   std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions&, std::string* why_not);
+//   std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions&, std::string* why_not,
+//                                            absl::Status* refused);
 // with ReadsHostMemory() false, IoBytes() = HostStagingBytes, a VMM-backed Arena, OpenIpcRegion,
 // QueryDeviceMemory and a sticky Healthy(). The engine stages inline and shm tensors through the pool
 // with CopyToPool/CopyFromPool; tests/server/service/engine_test.cc runs that path on a CPU backend

@@ -3,6 +3,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -17,7 +18,10 @@
 
 #include "absl/time/clock.h"
 
+#include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/layer.h"
+#include "kernels/kernel_choice.h"
+#include "kernels/page_codec.h"
 #include "server/backends/vmm_arena.h"
 #include "server/core/error_status.h"
 
@@ -135,14 +139,30 @@ class IpcEvents {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const CudaBackendOptions& options, std::vector<cudaStream_t> streams, cublasLtHandle_t blas)
-      : options_(options), streams_(std::move(streams)), blas_(blas) {}
+  CudaBackend(const CudaBackendOptions& options, KernelInfo kernel, std::vector<cudaStream_t> streams,
+              cublasLtHandle_t blas)
+      : options_(options), kernel_(std::move(kernel)), streams_(std::move(streams)), blas_(blas) {}
 
   ~CudaBackend() override { cublasLtDestroy(blas_); }
 
   std::string name() const override { return "cuda"; }
 
-  absl::Status Supported(const LayerConfig& config) const override { return ToStatus(cuda::Supported(config)); }
+  absl::Status Supported(const LayerConfig& config) const override {
+    if (absl::Status s = ToStatus(cuda::Supported(config)); !s.ok()) return s;
+    // The attention kernel for the largest page on this GPU (kernel_choice.h): pages this GPU's
+    // shared memory cannot hold (INT8 / BF16 at d = 128 on a 99 KB consumer GPU) fail here, before
+    // any memory is reserved, rather than after the K/V projection.
+    int max_page_bytes = 0;
+    for (const TokenRange& r : config.ranges) {
+      max_page_bytes = std::max(max_page_bytes, PageBytes(r.format, config.shape.head_dim));
+    }
+    if (max_page_bytes == 0) return absl::OkStatus();  // no ranges: cuda::Supported's checks speak
+    DeviceCaps caps;
+    AttentionKernelChoice choice;
+    if (Error e = cuda::DeviceCapsOf(options_.device, &caps); !e.ok()) return ToStatus(e);
+    return ToStatus(
+        ChooseAttentionKernel(caps, config.shape.head_dim, max_page_bytes, options_.attention_kernel, &choice));
+  }
   uint64_t KvBytes(const LayerConfig& config) const override { return cuda::KvBytes(config); }
   uint64_t WorkspaceBytes(const LayerConfig& config) const override { return cuda::WorkspaceBytes(config); }
 
@@ -285,6 +305,8 @@ class CudaBackend final : public Backend {
     return identity_;
   }
 
+  KernelInfo Kernel() const override { return kernel_; }
+
   bool ReadsHostMemory() const override { return false; }
   bool Healthy() const override { return healthy_.load(); }
 
@@ -293,6 +315,7 @@ class CudaBackend final : public Backend {
     cuda::CudaContext context;
     context.stream = stream;
     context.blas = blas_;  // shared: a cuBLASLt handle holds no stream or workspace, both go with each call
+    context.attention_tiling = options_.attention_kernel;
     return context;
   }
 
@@ -337,6 +360,7 @@ class CudaBackend final : public Backend {
   }
 
   const CudaBackendOptions options_;
+  const KernelInfo kernel_;
   StreamPool streams_;
   mutable std::once_flag identity_once_;
   mutable DeviceIdentity identity_;
@@ -349,7 +373,27 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions& options, std::string* why) {
+namespace {
+
+// What Status and /metrics report, and the check of a forced kernel: the choice for INT4 pages at
+// head_dim 128 (they fit every supported GPU; a request's own pages are checked per call).
+absl::Status DescribeKernel(const CudaBackendOptions& options, const DeviceCaps& caps, KernelInfo* info) {
+  info->compute_capability = ComputeCapabilityName(caps);
+  info->cuda_archs_built = cuda::CudaArchsBuilt();
+  info->sm_count = caps.sm_count;
+  AttentionKernelChoice choice;
+  const Error e = ChooseAttentionKernel(caps, 128, PageBytes(PageFormat::kInt4, 128), options.attention_kernel, &choice);
+  if (!e.ok()) {
+    return absl::FailedPreconditionError(std::string("--attention_kernel=") +
+                                         AttentionKernelName(options.attention_kernel) + ": " + e.message());
+  }
+  info->attention_kernel = AttentionKernelName(choice.tiling);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions& options, std::string* why, absl::Status* refused) {
   int count = 0;
   if (cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
     *why = e != cudaSuccess ? cudaGetErrorString(e) : "no CUDA device";
@@ -366,9 +410,27 @@ std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions& options, std:
     *why = "cudaSetDevice failed";
     return nullptr;
   }
-  if (prop.major < 9) {
+  if (prop.major < 8) {
     *why = std::string(prop.name) + " is compute capability " + std::to_string(prop.major) + "." +
-           std::to_string(prop.minor) + "; the kernels are built for sm_90a";
+           std::to_string(prop.minor) + "; the kernels need sm_80 or newer";
+    return nullptr;
+  }
+  DeviceCaps caps;
+  if (Error e = cuda::DeviceCapsOf(options.device, &caps); !e.ok()) {
+    *why = e.message();
+    return nullptr;
+  }
+  if (Error e = BinaryRunsOn(cuda::CudaArchsBuilt(), caps); !e.ok()) {
+    *why = std::string(prop.name) + ": " + e.message();
+    return nullptr;
+  }
+  KernelInfo kernel;
+  if (absl::Status s = DescribeKernel(options, caps, &kernel); !s.ok()) {
+    if (options.attention_kernel != AttentionTilingChoice::kAuto) {
+      *refused = s;  // the operator asked for a kernel this GPU or build cannot run
+    } else {
+      *why = std::string(s.message());
+    }
     return nullptr;
   }
   CudaBackendOptions resolved = options;
@@ -392,7 +454,7 @@ std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions& options, std:
     *why = "cublasLtCreate failed";
     return nullptr;
   }
-  return std::make_unique<CudaBackend>(resolved, std::move(streams), blas);
+  return std::make_unique<CudaBackend>(resolved, std::move(kernel), std::move(streams), blas);
 }
 
 }  // namespace kvpack::server

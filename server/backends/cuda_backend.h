@@ -20,9 +20,14 @@ struct CudaBackendOptions {
   int device = 0;
   uint64_t reserve_bytes = 0;                  // virtual range for the pool; 0: the device's memory
   uint64_t keep_mapped_bytes = 256ull << 20;   // idle physical memory kept mapped
+  // Which attention kernel every call asks for (kernels/kernel_choice.h): kAuto, kWgmma or kMmaSync.
+  AttentionTilingChoice attention_kernel = AttentionTilingChoice::kAuto;
 };
 
 // Null, with `why` set, when no device answers (no driver, no GPU) or the device cannot serve.
-std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions& options, std::string* why);
+// Null with `refused` set (FAILED_PRECONDITION) when the device answers but cannot run
+// options.attention_kernel (wgmma off Hopper or in a build without sm_90a): a forced kernel that
+// cannot run stops the daemon instead of falling back.
+std::unique_ptr<Backend> MakeCudaBackend(const CudaBackendOptions& options, std::string* why, absl::Status* refused);
 
 }  // namespace kvpack::server

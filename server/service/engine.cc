@@ -64,7 +64,7 @@ Engine::Engine(EngineOptions options, std::unique_ptr<Backend> backend, const Cl
       inline_budget_(options_.max_inline_bytes_in_flight) {
   scheduler_ = std::make_unique<Scheduler>(options_.scheduler, pool_.get(), clock_);
   if (backend_->TakesTurns()) turns_ = std::make_unique<TurnArbiter>(options_.turns, clock_);
-  metrics_ = std::make_unique<Metrics>(options_.version, backend_->name(), options_.budget_bytes,
+  metrics_ = std::make_unique<Metrics>(options_.version, backend_->name(), backend_->Kernel(), options_.budget_bytes,
                                        [this] { return Gauges(); });
   pool_->SetReleaseListener([this] { scheduler_->Pump(); });
   executor_ = std::make_unique<Executor>(options_.executor_threads, options_.executor_nice);

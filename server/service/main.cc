@@ -106,10 +106,16 @@ int Main(int argc, char** argv) {
 
   absl::StatusOr<BackendKind> kind = ParseBackendKind(o.backend);
   if (!kind.ok()) return Fail(std::string(kind.status().message()));
+  BackendOptions bo;
+  bo.kind = *kind;
+  bo.cpu_threads = o.cpu_threads;
+  if (Error e = ParseAttentionKernel(o.attention_kernel, &bo.attention_kernel); !e.ok()) return Fail("--" + e.message());
   std::string note;
-  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackend({*kind, o.cpu_threads}, &note);
+  absl::StatusOr<std::unique_ptr<Backend>> backend = MakeBackend(bo, &note);
   if (!backend.ok()) return Fail(std::string(backend.status().message()));
-  std::fprintf(stderr, "kvpackd: %s\n", note.c_str());
+  const KernelInfo kernel = (*backend)->Kernel();
+  std::fprintf(stderr, "kvpackd: %s; attention kernel %s%s%s\n", note.c_str(), kernel.attention_kernel.c_str(),
+               kernel.compute_capability.empty() ? "" : " on ", kernel.compute_capability.c_str());
 
   const DeviceMemory dm = (*backend)->QueryDeviceMemory();
   const uint64_t free_bytes = dm.present ? dm.free_bytes : HostAvailableBytes();

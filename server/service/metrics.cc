@@ -44,8 +44,8 @@ std::vector<double> Exponential(double start, double factor, int count) {
 
 class Metrics::GaugeCollectable final : public prometheus::Collectable {
  public:
-  GaugeCollectable(std::string version, std::string backend, std::function<GaugeValues()> read)
-      : version_(std::move(version)), backend_(std::move(backend)), read_(std::move(read)) {}
+  GaugeCollectable(std::string version, std::string backend, KernelInfo kernel, std::function<GaugeValues()> read)
+      : version_(std::move(version)), backend_(std::move(backend)), kernel_(std::move(kernel)), read_(std::move(read)) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     const GaugeValues v = read_();
@@ -97,11 +97,19 @@ class Metrics::GaugeCollectable final : public prometheus::Collectable {
     auto info = GaugeFamily("kvpack_build_info", "Which build and backend serve");
     AddGauge(&info, 1.0, {{"backend", backend_}, {"version", version_}});
     out.push_back(std::move(info));
+    auto device = GaugeFamily("kvpack_device_info", "Which attention kernel serves, on which GPU arch (Status fields 32-35)");
+    AddGauge(&device, 1.0,
+             {{"archs", kernel_.cuda_archs_built},
+              {"attention_kernel", kernel_.attention_kernel},
+              {"compute_capability", kernel_.compute_capability},
+              {"sm_count", std::to_string(kernel_.sm_count)}});
+    out.push_back(std::move(device));
     return out;
   }
 
  private:
   const std::string version_, backend_;
+  const KernelInfo kernel_;
   const std::function<GaugeValues()> read_;
 };
 
@@ -114,10 +122,11 @@ std::vector<double> PeakBuckets(uint64_t budget_bytes) {
   return b;
 }
 
-Metrics::Metrics(std::string version, std::string backend, uint64_t budget_bytes,
+Metrics::Metrics(std::string version, std::string backend, KernelInfo kernel, uint64_t budget_bytes,
                  std::function<GaugeValues()> read_gauges)
     : registry_(std::make_shared<prometheus::Registry>()),
-      gauges_(std::make_shared<GaugeCollectable>(std::move(version), std::move(backend), std::move(read_gauges))) {
+      gauges_(std::make_shared<GaugeCollectable>(std::move(version), std::move(backend), std::move(kernel),
+                                                 std::move(read_gauges))) {
   requests_ = &prometheus::BuildCounter().Name("kvpack_requests_total").Help("Finished RPCs").Register(*registry_);
   auto& stages = prometheus::BuildHistogram()
                      .Name("kvpack_stage_duration_seconds")

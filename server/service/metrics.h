@@ -16,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/format.h"
+#include "server/backends/backend.h"
 #include "server/core/pool.h"
 #include "server/service/metrics_http.h"
 
@@ -59,7 +60,9 @@ std::vector<double> PeakBuckets(uint64_t budget_bytes);
 class Metrics {
  public:
   // `budget_bytes` places the kvpack_request_peak_bytes buckets (PeakBuckets).
-  Metrics(std::string version, std::string backend, uint64_t budget_bytes, std::function<GaugeValues()> read_gauges);
+  // `kernel` labels kvpack_device_info (which attention kernel serves, on which arch).
+  Metrics(std::string version, std::string backend, KernelInfo kernel, uint64_t budget_bytes,
+          std::function<GaugeValues()> read_gauges);
   ~Metrics();
 
   // Serves /metrics on `address` ("host:port"; port 0 picks one). Returns the bound port.

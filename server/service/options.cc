@@ -17,6 +17,8 @@ const char* DaemonUsage() {
   --metrics_address=ADDR   Prometheus /metrics address (default 127.0.0.1:9464; "off" disables)
   --vram_budget=SIZE       pool budget: bytes (K M G T, Ki Mi Gi Ti suffixes) or a fraction of free memory (0.8)
   --backend=auto|cpu|cuda  engine; auto and cuda fall back to cpu when no CUDA device answers (default auto)
+  --attention_kernel=auto|wgmma|mma_sync  CUDA attention kernel: auto (wgmma on H100/H200, mma_sync
+                           elsewhere), or force one; a forced kernel the GPU cannot run stops the start
   --auth_token_file=F      bearer tokens, one per line "TOKEN [TENANT]"; required off loopback
   --tls_cert_file=F --tls_key_file=F   serve TLS
   --threads=N              layers run at once on the daemon's executor (default 2)
@@ -52,7 +54,7 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
     if (arg.rfind("--", 0) != 0) return absl::InvalidArgumentError(absl::StrCat("unexpected argument \"", arg, "\""));
     std::string name, value;
     const std::string bare = arg.substr(2, arg.find('=') == std::string::npos ? std::string::npos : arg.find('=') - 2);
-    static const char* const kKnown[] = {"listen", "metrics_address", "vram_budget", "backend", "auth_token_file",
+    static const char* const kKnown[] = {"listen", "metrics_address", "vram_budget", "backend", "attention_kernel", "auth_token_file",
                                          "tls_cert_file", "tls_key_file", "threads", "cpu_threads", "max_queue",
                                          "max_chunk_tokens", "lease_seconds", "tenant_quota", "max_inline_bytes",
                                          "drain_seconds", "max_inline_bytes_in_flight", "max_chunks_per_call",
@@ -95,6 +97,7 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
     else if (name == "metrics_address") o.metrics_address = value;
     else if (name == "vram_budget") s = to_size(&o.vram_budget, false);
     else if (name == "backend") o.backend = value;
+    else if (name == "attention_kernel") o.attention_kernel = value;
     else if (name == "auth_token_file") o.auth_token_file = value;
     else if (name == "tls_cert_file") o.tls_cert_file = value;
     else if (name == "tls_key_file") o.tls_key_file = value;

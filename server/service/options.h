@@ -13,6 +13,7 @@ struct DaemonOptions {
   std::string metrics_address = "127.0.0.1:9464";  // host:port; "off" disables
   ByteSize vram_budget{0, 0.8, true};              // bytes or a fraction of free memory
   std::string backend = "auto";                    // auto | cpu | cuda
+  std::string attention_kernel = "auto";           // auto | wgmma | mma_sync (kernels/kernel_choice.h)
   std::string auth_token_file;
   std::string tls_cert_file;
   std::string tls_key_file;

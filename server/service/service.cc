@@ -189,6 +189,11 @@ grpc::ServerUnaryReactor* KvpackService::Status(grpc::CallbackServerContext* con
     response->set_inline_bytes_received(inline_received_.load());
     response->set_inline_bytes_sent(inline_sent_.load());
     response->set_cuda_wait_event(e.backend().TakesIpcEvents());
+    const KernelInfo kernel = e.backend().Kernel();
+    response->set_compute_capability(kernel.compute_capability);
+    response->set_attention_kernel(kernel.attention_kernel);
+    response->set_cuda_archs_built(kernel.cuda_archs_built);
+    response->set_sm_count(kernel.sm_count);
     v1::TenantUsage* t = response->mutable_tenant();
     t->set_tenant(*tenant);
     auto it = s.by_tenant.find(*tenant);

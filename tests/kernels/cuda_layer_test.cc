@@ -10,6 +10,7 @@
 //   3. attention: output (poisoned with NaN before the run) vs FP64 attention over the GPU's own
 //      decoded pages (tests the attention kernel alone) and vs FP64 unquantized attention (the
 //      end-to-end accuracy of the format).
+#include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/layer.h"
 #include "kernels/cuda/row_epilogue.h"
 
@@ -65,6 +66,9 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
 
   CudaContext ctx;
   ctx.attention_tiling = c.tiling;
+  AttentionTilingChoice kernel;  // what runs on this GPU, and its MMA path
+  MmaPath mma;
+  ASSERT_OK(ResolveLayerKernel(cfg, c.tiling, &kernel, &mma));
   ASSERT_CUDA(cudaStreamCreate(&ctx.stream));
   ASSERT_EQ(cublasLtCreate(&ctx.blas), CUBLAS_STATUS_SUCCESS);
   ASSERT_OK(RunLayer(cfg, t, kv.as<uint8_t>(), ws.as<uint8_t>(), ctx, nullptr));
@@ -124,7 +128,7 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
     h.positions = cfg.rope.layout != RopeLayout::kNone ? L.positions.data() : nullptr;
     h.out = c.in_place ? cpu_x.data() : cpu_out.data();
     LayerConfig cpu_cfg = cfg;  // the MMA path this kernel runs, emulated (the CPU knows no kernels)
-    cpu_cfg.attention.mma = LayerMmaPath(cfg, c.tiling);
+    cpu_cfg.attention.mma = mma;
     ASSERT_OK(cpu::RunLayer(cpu_cfg, h, cpu_block.data(), cpu_ws.data(), cpu::CpuOptions{}, nullptr));
     if (c.in_place) cpu_out = cpu_x;
   }
@@ -262,7 +266,7 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
   const double err_cpu = RelL2(got, cpu_ref), cpu_exact = RelL2(std::vector<float>(cpu_ref.begin(), cpu_ref.end()), exact);
   std::printf("[%s, tiling %d, mma %s] rel L2 vs FP64 over decoded pages (mma_rel_l2): %.5f (tol %.3f); vs cpu::RunLayer: %.5f (tol %.3f); "
               "vs FP64 unquantized: %.5f (tol %.3f; the CPU backend's: %.5f)\n",
-              c.name, static_cast<int>(c.tiling), MmaPathName(LayerMmaPath(cfg, c.tiling)), err_decoded, kDecodedRelL2, err_cpu, kCpuRelL2, err_exact, WorstTolerance(c.ranges), cpu_exact);
+              c.name, static_cast<int>(c.tiling), MmaPathName(mma), err_decoded, kDecodedRelL2, err_cpu, kCpuRelL2, err_exact, WorstTolerance(c.ranges), cpu_exact);
   EXPECT_LE(err_cpu, kCpuRelL2);
   EXPECT_LE(err_decoded, kDecodedRelL2);
   if (check_exact) {
@@ -271,12 +275,22 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
   if (errors) *errors = {err_decoded, err_exact};
 }
 
-// Runs the case with its own tiling choice (kAuto: the default kernel) and again with every other one.
+// Whether this GPU and build run the wgmma kernel (kernel_choice.h: sm_90 and a binary with sm_90a).
+bool DeviceRunsWgmma() {
+  DeviceCaps caps;
+  AttentionKernelChoice choice;
+  return CurrentDeviceCaps(&caps).ok() &&
+         ChooseAttentionKernel(caps, 64, PageBytes(PageFormat::kInt4, 64), AttentionTilingChoice::kWgmma, &choice).ok();
+}
+
+// Runs the case with its own tiling choice (kAuto: the default kernel) and again with every other one
+// the GPU runs (kWgmma on sm_90 only, where kAuto is kWgmma too).
 void RunCaseEachKernel(Case c) {
   const AttentionTilingChoice own = c.tiling;
   RunCase(c);
   for (AttentionTilingChoice k : {AttentionTilingChoice::kTall, AttentionTilingChoice::kWgmma}) {
     if (k == own || (own == AttentionTilingChoice::kAuto && k == AttentionTilingChoice::kWgmma)) continue;
+    if (k == AttentionTilingChoice::kWgmma && !DeviceRunsWgmma()) continue;
     c.tiling = k;
     RunCase(c);
   }
@@ -346,6 +360,7 @@ TEST(CudaLayer, CancelStopsBetweenChunks) {
 
 TEST(CudaLayer, AutoTilingIsTheWgmmaKernelForEveryPageSize) {
   SKIP_WITHOUT_GPU();
+  if (!DeviceRunsWgmma()) GTEST_SKIP() << "not an sm_90 GPU (or no sm_90a in this build): auto is mma_sync here";
   for (int dim : {64, 128}) {
     for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8, PageFormat::kBf16}) {
       AttentionTilingChoice t;
@@ -353,6 +368,29 @@ TEST(CudaLayer, AutoTilingIsTheWgmmaKernelForEveryPageSize) {
       EXPECT_EQ(t, AttentionTilingChoice::kWgmma);
       EXPECT_LE(AttentionSharedBytes(dim, PageBytes(f, dim), t), 227 * 1024 - 10 * 1024);  // + static, per SM
     }
+  }
+}
+
+// The caps the choice reads come from the device, and a forced mma_sync resolves to one of its tilings
+// wherever it fits (kernel_choice_test covers every arch's limits without a GPU).
+TEST(CudaLayer, DeviceCapsAndTheForcedPortableKernel) {
+  SKIP_WITHOUT_GPU();
+  DeviceCaps caps;
+  ASSERT_OK(CurrentDeviceCaps(&caps));
+  EXPECT_GE(caps.cc_major, 8);
+  EXPECT_GT(caps.sm_count, 0);
+  EXPECT_GE(caps.smem_per_block_optin, 99 * 1024);
+  EXPECT_GE(caps.smem_per_sm, caps.smem_per_block_optin);
+  EXPECT_EQ(caps.has_sm90a_code, BuiltWithSm90a());
+  AttentionTilingChoice t;
+  ASSERT_OK(ResolveAttentionTiling(64, PageBytes(PageFormat::kInt4, 64), AttentionTilingChoice::kMmaSync, &t));
+  EXPECT_TRUE(t == AttentionTilingChoice::kTall || t == AttentionTilingChoice::kWide);
+  if (caps.cc_major == 9 && caps.cc_minor == 0) {
+    // H200: two 4-warp CTAs fit with INT4 pages at d = 128, one 8-warp CTA with BF16 ones.
+    ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kInt4, 128), AttentionTilingChoice::kMmaSync, &t));
+    EXPECT_EQ(t, AttentionTilingChoice::kTall);
+    ASSERT_OK(ResolveAttentionTiling(128, PageBytes(PageFormat::kBf16, 128), AttentionTilingChoice::kMmaSync, &t));
+    EXPECT_EQ(t, AttentionTilingChoice::kWide);
   }
 }
 
@@ -416,7 +454,7 @@ TEST(CudaLayer, Int8MmaInt4OneSequence) {
   Case c{"int8-mma int4 N=1000 d=128", 1000, 256, 2, 128, {{0, 1000, 0, PageFormat::kInt4}}};
   c.mma = MmaPath::kInt8;
   c.seed = 11;
-  ASSERT_EQ(LayerMmaPath(MakeLayer(c).config, c.tiling), MmaPath::kInt8);
+  ASSERT_EQ(LayerMmaPath(MakeLayer(c).config, AttentionTilingChoice::kWgmma), MmaPath::kInt8);
   RunCase(c);
 }
 

@@ -354,7 +354,9 @@ class Client:
         return self._unary("Plan", pb.PlanRequest(header=header, has_bias=has_bias), timeout)
 
     def status(self, timeout=None):
-        """StatusResponse: budget, pool by state and format, high-water, queue, your tenant."""
+        """StatusResponse: budget, pool by state and format, high-water, queue, your tenant, and
+        which attention kernel serves on which GPU arch (attention_kernel, compute_capability,
+        cuda_archs_built, sm_count)."""
         return self._unary("Status", pb.StatusRequest(), timeout)
 
     # ── regions ─────────────────────────────────────────────────────────────────────────────

@@ -51,6 +51,8 @@ def test_health_and_status(client):
     assert client.health() == "SERVING"
     s = client.status()
     assert s.backend == "cpu" and s.serving and s.budget_bytes == 256 << 20
+    # Which attention kernel serves (fields 32-35): "cpu", and no GPU arch, on the CPU backend.
+    assert s.attention_kernel == "cpu" and s.compute_capability == "" and s.sm_count == 0
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])

@@ -1,6 +1,8 @@
 // The real kvpackd on the CUDA backend (label gpu): one layer with inline tensors (staged through the
 // pool) and with x and the output in CUDA IPC regions (used in place, nothing staged), each checked
-// against the CPU reference and the planner's predicted peak. Skips without a CUDA device.
+// against the CPU reference and the planner's predicted peak, each on the kernel auto picks and again
+// with --attention_kernel=mma_sync (on an H200 that runs the portable kernel, which other GPUs run
+// under auto). Skips without a CUDA device.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -25,16 +27,29 @@ bool HaveDevice() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-class CudaDaemonTest : public ::testing::Test {
+bool IsHopper(const cudaDeviceProp& prop) { return prop.major == 9 && prop.minor == 0; }
+
+// The test's parameter: the daemon's --attention_kernel.
+class CudaDaemonTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: the CUDA daemon test runs on a GPU host";
-    daemon_ = std::make_unique<DaemonProcess>(std::vector<std::string>{"--backend=cuda", "--vram_budget=2Gi"});
+    ASSERT_EQ(cudaGetDeviceProperties(&prop_, 0), cudaSuccess);
+    daemon_ = std::make_unique<DaemonProcess>(
+        std::vector<std::string>{"--backend=cuda", "--vram_budget=2Gi", "--attention_kernel=" + GetParam()});
     ASSERT_TRUE(daemon_->ok()) << "kvpackd did not start";
     c_ = daemon_->Connect();
     absl::StatusOr<v1::StatusResponse> s = c_->Status();
     ASSERT_TRUE(s.ok()) << s.status();
     ASSERT_EQ(s->backend(), "cuda") << "kvpackd fell back to the CPU backend";
+    // The kernel that serves: wgmma only under auto on an H100/H200 in a build that holds sm_90a.
+    const bool wgmma =
+        GetParam() == "auto" && IsHopper(prop_) && s->cuda_archs_built().find("sm_90a") != std::string::npos;
+    EXPECT_EQ(s->attention_kernel(), wgmma ? "wgmma" : "mma_sync");
+    EXPECT_EQ(s->compute_capability(), "sm_" + std::to_string(prop_.major) + std::to_string(prop_.minor));
+    EXPECT_EQ(s->sm_count(), prop_.multiProcessorCount);
+    EXPECT_NE(s->cuda_archs_built().find("sm_"), std::string::npos) << s->cuda_archs_built();
+    EXPECT_NE(daemon_->Metrics().find("attention_kernel=\"" + s->attention_kernel() + "\""), std::string::npos);
     weights_ = c_->RegisterWeights(WeightsOf(layer_));
     ASSERT_TRUE(weights_.ok()) << weights_.status();
   }
@@ -50,12 +65,13 @@ class CudaDaemonTest : public ::testing::Test {
   }
 
   const client::SyntheticLayer layer_ = client::MakeSyntheticLayer(SmallSpec(11));
+  cudaDeviceProp prop_{};
   std::unique_ptr<DaemonProcess> daemon_;
   std::unique_ptr<client::Client> c_;
   absl::StatusOr<v1::WeightsResponse> weights_;
 };
 
-TEST_F(CudaDaemonTest, InlineTensorsAreStagedThroughThePool) {
+TEST_P(CudaDaemonTest, InlineTensorsAreStagedThroughThePool) {
   v1::LayerHeader h = layer_.header;
   h.set_weights_handle(weights_->handle());
   std::vector<uint16_t> out;
@@ -67,7 +83,7 @@ TEST_F(CudaDaemonTest, InlineTensorsAreStagedThroughThePool) {
   EXPECT_EQ(c_->Status()->pool_bytes(), weights_->pool_bytes());
 }
 
-TEST_F(CudaDaemonTest, CudaIpcInputAndOutputAreUsedInPlace) {
+TEST_P(CudaDaemonTest, CudaIpcInputAndOutputAreUsedInPlace) {
   const uint64_t x_bytes = layer_.x.size() * 2, out_bytes = layer_.out_bytes();
   uint8_t* x_alloc = nullptr;
   uint8_t* out_alloc = nullptr;
@@ -103,6 +119,25 @@ TEST_F(CudaDaemonTest, CudaIpcInputAndOutputAreUsedInPlace) {
   EXPECT_EQ(c_->Status()->pool_bytes(), weights_->pool_bytes());
   cudaFree(x_alloc);
   cudaFree(out_alloc);
+}
+
+INSTANTIATE_TEST_SUITE_P(AttentionKernel, CudaDaemonTest, ::testing::Values("auto", "mma_sync"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+// --attention_kernel=wgmma off Hopper stops the daemon at startup (exit 2) instead of serving on
+// another kernel or on the CPU.
+TEST(CudaDaemonStartup, WgmmaOffHopperStopsTheStart) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: the CUDA daemon test runs on a GPU host";
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  DaemonProcess d({"--backend=cuda", "--vram_budget=1Gi", "--attention_kernel=wgmma"});
+  if (IsHopper(prop)) {  // (the default KVPACK_CUDA_ARCHITECTURES holds sm_90a)
+    ASSERT_TRUE(d.ok());
+    EXPECT_EQ(d.Connect()->Status()->attention_kernel(), "wgmma");
+  } else {
+    EXPECT_FALSE(d.ok());
+    EXPECT_EQ(d.Stop(), 2);
+  }
 }
 
 }  // namespace

@@ -29,6 +29,10 @@ TEST_F(DaemonTest, HealthStatusAndPlan) {
   absl::StatusOr<v1::StatusResponse> s = c->Status();
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(s->backend(), "cpu");
+  EXPECT_EQ(s->attention_kernel(), "cpu");  // the GPU fields stay empty on the CPU backend
+  EXPECT_EQ(s->compute_capability(), "");
+  EXPECT_EQ(s->cuda_archs_built(), "");
+  EXPECT_EQ(s->sm_count(), 0);
   EXPECT_EQ(s->budget_bytes(), 256u << 20);
   EXPECT_EQ(s->pool_bytes(), 0u);
   EXPECT_TRUE(s->serving());
@@ -418,7 +422,22 @@ TEST_F(DaemonTest, MetricsMatchStatus) {
   EXPECT_EQ(Sample(m, "kvpack_request_peak_bytes_sum"), static_cast<double>(r->peak_bytes()));
   EXPECT_EQ(Sample(m, "kvpack_stage_duration_seconds_count{stage=\"attend\"}"), 1.0);
   EXPECT_NE(m.find("kvpack_build_info{backend=\"cpu\",version=\"0.1.0\"} 1"), std::string::npos);
+  EXPECT_NE(m.find("kvpack_device_info{archs=\"\",attention_kernel=\"cpu\",compute_capability=\"\",sm_count=\"0\"} 1"),
+            std::string::npos);
   EXPECT_EQ(m.find("kvpack_gpu_memory_bytes"), std::string::npos);  // absent on the CPU backend
+}
+
+// A forced GPU kernel never falls back to the CPU backend: the daemon stops at startup (exit 2), and
+// so does a kernel name it does not know.
+TEST(DaemonStartup, ForcedAttentionKernelNeedsTheCudaBackend) {
+  for (const char* kernel : {"--attention_kernel=wgmma", "--attention_kernel=mma_sync", "--attention_kernel=tall"}) {
+    DaemonProcess d({"--backend=cpu", kernel});
+    EXPECT_FALSE(d.ok()) << kernel;
+    EXPECT_EQ(d.Stop(), 2) << kernel;
+  }
+  DaemonProcess automatic({"--backend=cpu", "--attention_kernel=auto"});
+  ASSERT_TRUE(automatic.ok());
+  EXPECT_EQ(automatic.Connect()->Status()->attention_kernel(), "cpu");
 }
 
 TEST_F(DaemonTest, DrainsInFlightWorkOnSigterm) {
