@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "kernels/layer_spec.h"
+#include "kernels/visibility.h"
 
 namespace kvpack::cpu {
 
@@ -34,6 +35,22 @@ struct QueryTile {
 
 // Softmax scale actually used: attention.softmax_scale, or 1/sqrt(d) when it is 0.
 float EffectiveScale(const AttentionOptions& attention, int head_dim);
+
+// The online-softmax state of one tile, and the three steps AttendTile is made of. This is the hook the
+// block-sparse path (sparse_attention.h) shares: it folds its routed pages with FoldPage, its pooled
+// terms into the same m, ℓ and acc, and finishes with FinishTile, so a page it attends exactly is
+// attended by the very code of the dense path.
+struct TileState {
+  float m[kQueryTile];                      // running max per query
+  float l[kQueryTile];                      // running denominator per query
+  float acc[kQueryTile * kMaxHeadDimCpu];   // [n, d] running numerator (stored V domain)
+};
+void BeginTile(int n, int d, TileState* state);
+// Folds page `page` of head `head` into the state of `tile` (skipped when no query of the tile sees it).
+void FoldPage(const KvEntryView& kv, int head, const QueryTile& tile, const Visibility& visibility, float scale,
+              int page, TileState* state);
+// acc/ℓ, Rᵀ, ⊙ λ_v, + μ_v into out[n, d]; zeros for a query that saw no key.
+void FinishTile(const KvEntryView& kv, int head, int n, const TileState& state, float* out);
 
 // out[i·d + c] = attention output of query i for head `head`, channel c (fp32, final form).
 void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool causal, float scale, float* out);
