@@ -33,6 +33,10 @@ struct TokenRange {
   int64_t end = 0;
   int32_t seq_id = 0;  // a query attends only to keys with the same seq_id
   PageFormat format = PageFormat::kInt4;
+  // Block-sparse attention (AttentionOptions::sparse) only: the range's key pages are never pooled,
+  // and its queries attend to every visible page exactly.
+  bool always_attend = false;
+  bool attend_densely = false;
 };
 inline constexpr int kMaxRanges = 256;  // PageDesc::range_index is 8 bits
 
@@ -74,10 +78,32 @@ struct TransformOptions {
   bool choose_per_head = true;
 };
 
+// Block-sparse attention over the packed pages (cpu/sparse_attention.h): per (query block of 64,
+// head) some key pages are attended exactly, every other visible page contributes one pooled term.
+enum class SparseMode : uint8_t {
+  kTopK = 0,    // ceil(topk_ratio · visible pages), at least 1, by centroid · mean-key score
+  kRelTau = 1,  // pages whose score ≥ row max − rel_tau · std of the row's scores
+};
+struct SparseOptions {
+  bool enabled = false;
+  SparseMode mode = SparseMode::kTopK;
+  float topk_ratio = 0.2f;   // (0, 1]
+  float rel_tau = 0.0f;      // finite, ≥ 0
+  bool tail = true;          // pooled term of every visible page not attended exactly
+  int sink_pages = 0;        // leading pages of the entry always exact; 0..kMaxSinkPages
+  int min_exact_pages = 0;   // floor of exact pages per (query block, head); 0..kMaxMinExactPages
+};
+inline constexpr int kMaxSinkPages = 1024;
+inline constexpr int kMaxMinExactPages = 1 << 20;
+
 struct AttentionOptions {
   float softmax_scale = 0.0f;  // 0 means 1/√head_dim
   bool causal = false;         // key position ≤ query position (token index), within a sequence
+  SparseOptions sparse;
 };
+
+// OK when sparse is off or every field is in range; the message names the field.
+Error ValidateSparse(const SparseOptions& sparse);
 
 // Where pre-projected Q, K and V rows sit (LayerConfig::projected): element c of head h of token t
 // is at element offset Offset(t, h) + c of each of LayerTensors::q, k, v (bf16). Tokens come in
