@@ -32,7 +32,8 @@
 //                                         ([S, 2·H·d] without            config.stats and with
 //                                         choose_per_head)                smooth or balance on)
 //   projection  bf16 [min(Tp, N), 2·H·d]  K then V columns of one chunk
-//   queries     bf16 [min(Tq, N), H·d]    Q of one chunk in stored form
+//   queries     bf16 [min(Tq, N), H·d]    Q of one chunk in stored form (sparse: Tq + 63 rows,
+//                                         then the statistics and routes, sparse_layer.h)
 // WorkspaceBytes is the largest of the three, and that many bytes are written (tests hold it).
 // With projected input only the queries are held there.
 // Per-thread stack buffers are ~180 KiB at d = 256 (two decoded pages, a tile of queries, its
@@ -56,6 +57,15 @@ struct CpuOptions {
   int n_threads = 0;  // 0: std::thread::hardware_concurrency()
 };
 
+// Tallies of a block-sparse call (attention.sparse; sparse_attention.h): the routed fraction is
+// exact_pages / visible_pages over its (query block, head) pairs.
+struct SparseReport {
+  int64_t visible_pages = 0;  // Σ over (block, head) of pages the block sees
+  int64_t exact_pages = 0;    // Σ of pages attended exactly
+  int64_t pooled_pages = 0;   // Σ of pages pooled (0 with the tail off)
+  double RoutedFraction() const { return visible_pages > 0 ? double(exact_pages) / double(visible_pages) : 0.0; }
+};
+
 // ── The three questions ─────────────────────────────────────────────────────────────────────────
 
 // OK when the CPU backend can run `config`; otherwise the error names the field.
@@ -75,12 +85,15 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
 
 // Projects Q chunk by chunk from tensors.x and attends to the entry `kv` (the same N tokens, so
 // query i has the sequence id and position of token i). Writes tensors.out.
+// With config.attention.sparse the block-sparse path runs (sparse_layer.h) and, when
+// sparse_report is set, its tallies are added to it.
 Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const KvEntryView& kv,
-                  uint8_t* workspace, const CpuOptions& options, const ChunkGate& gate);
+                  uint8_t* workspace, const CpuOptions& options, const ChunkGate& gate,
+                  SparseReport* sparse_report = nullptr);
 
 // ProjectKv then AttendLayer; with config.in_place, tensors.out == tensors.x.
 Error RunLayer(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-               const CpuOptions& options, const ChunkGate& gate);
+               const CpuOptions& options, const ChunkGate& gate, SparseReport* sparse_report = nullptr);
 
 // ── Pieces on float tensors (quality evaluation and tests) ──────────────────────────────────────
 

@@ -55,14 +55,6 @@ inline constexpr uint8_t kRangeAlwaysAttend = 1;
 inline constexpr uint8_t kRangeAttendDensely = 2;
 std::vector<uint8_t> RangeFlags(const std::vector<TokenRange>& ranges);
 
-// Tallies of one call: the routed fraction is exact_pages / visible_pages.
-struct SparseReport {
-  int64_t visible_pages = 0;  // Σ over (block, head) of pages the block sees
-  int64_t exact_pages = 0;    // Σ of pages attended exactly
-  int64_t pooled_pages = 0;   // Σ of pages pooled (0 with the tail off)
-  double RoutedFraction() const { return visible_pages > 0 ? double(exact_pages) / double(visible_pages) : 0.0; }
-};
-
 // Index one past the last query of the block starting at `first` (rules at the top of this file).
 int64_t QueryBlockEnd(const KvEntryView& kv, const int32_t* seq_ids, const int64_t* positions, int64_t n_q,
                       int64_t first);
