@@ -102,6 +102,15 @@ struct AttentionOptions {
   SparseOptions sparse;
 };
 
+// Tallies of a block-sparse call (AttentionOptions::sparse; cpu/sparse_attention.h): the routed fraction is
+// exact_pages / visible_pages over its (query block, head) pairs.
+struct SparseReport {
+  int64_t visible_pages = 0;  // Σ over (block, head) of pages the block sees
+  int64_t exact_pages = 0;    // Σ of pages attended exactly
+  int64_t pooled_pages = 0;   // Σ of pages pooled (0 with the tail off)
+  double RoutedFraction() const { return visible_pages > 0 ? double(exact_pages) / double(visible_pages) : 0.0; }
+};
+
 // OK when sparse is off or every field is in range; the message names the field.
 Error ValidateSparse(const SparseOptions& sparse);
 

@@ -57,15 +57,6 @@ struct CpuOptions {
   int n_threads = 0;  // 0: std::thread::hardware_concurrency()
 };
 
-// Tallies of a block-sparse call (attention.sparse; sparse_attention.h): the routed fraction is
-// exact_pages / visible_pages over its (query block, head) pairs.
-struct SparseReport {
-  int64_t visible_pages = 0;  // Σ over (block, head) of pages the block sees
-  int64_t exact_pages = 0;    // Σ of pages attended exactly
-  int64_t pooled_pages = 0;   // Σ of pages pooled (0 with the tail off)
-  double RoutedFraction() const { return visible_pages > 0 ? double(exact_pages) / double(visible_pages) : 0.0; }
-};
-
 // ── The three questions ─────────────────────────────────────────────────────────────────────────
 
 // OK when the CPU backend can run `config`; otherwise the error names the field.

@@ -142,7 +142,13 @@ class CudaBackend final : public Backend {
 
   std::string name() const override { return "cuda"; }
 
-  absl::Status Supported(const LayerConfig& config) const override { return ToStatus(cuda::Supported(config)); }
+  absl::Status Supported(const LayerConfig& config) const override {
+    if (config.attention.sparse.enabled) {  // until the routing and exact-stage kernels exist (issue 13)
+      return absl::UnimplementedError(
+          "header.options.attention.sparse: sparse attention runs on the CPU backend only so far");
+    }
+    return ToStatus(cuda::Supported(config));
+  }
   uint64_t KvBytes(const LayerConfig& config) const override { return cuda::KvBytes(config); }
   uint64_t WorkspaceBytes(const LayerConfig& config) const override { return cuda::WorkspaceBytes(config); }
 
@@ -221,7 +227,7 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
-                           uint8_t* workspace, const ChunkGate& gate) override {
+                           uint8_t* workspace, const ChunkGate& gate, SparseReport* /*sparse_report*/) override {
     const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
     const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
     StreamPool::Borrowed stream = streams_.Borrow();
