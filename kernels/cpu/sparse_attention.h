@@ -34,6 +34,7 @@
 
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/layer.h"
+#include "kernels/cpu/pack.h"
 #include "kernels/layer_spec.h"
 #include "kernels/visibility.h"
 
@@ -83,9 +84,6 @@ void RoutePages(const KvEntryView& kv, const PageStatsView& stats, int head, con
 // Attention of a tile (all of one block) over a routing; out as AttendTile.
 void AttendTileRouted(const KvEntryView& kv, const PageStatsView& stats, int head, const QueryTile& tile, bool causal,
                       float scale, const RoutedPages& routed, float* out);
-
-// Computes the page statistics of `kv` into mean_k and v_sum ([H, P, d] floats each).
-void ComputePageStats(const KvEntryView& kv, float* mean_k, float* v_sum, const CpuOptions& options);
 
 // AttendFloat with attention.sparse (which must be enabled and valid): statistics, routing and the
 // exact stage; `ranges` give the per-range flags (may be empty: none set). *report may be null.
