@@ -22,7 +22,9 @@
 //                and every page the block sees only in part (PageFullyVisibleToBlock false)
 //              ∪ floor: the best remaining pages until min(min_exact_pages, V) are exact
 //   pooled     = every other visible page (tail on); dropped (tail off)
-// Ties in score go to the lower page index. Exact pages are folded with FoldPage in ascending order,
+// Ties in score go to the lower page index. A page seen only in part is scored +inf (it ranks first
+// and takes a top-k place): its mean holds keys the block must not see, which must not move the
+// routing of any other page (so keys hidden by causality or sequence never change a result). Exact pages are folded with FoldPage in ascending order,
 // so with every page exact (topk_ratio 1) the result is bit-identical to AttendFloat. A pooled page
 // adds, for query i, s = scale · q̂_i · mean_k[p] with weight n: ℓ += n·e^(s−m), acc += e^(s−m)·v_sum
 // (= n tokens of logit s and value v_sum/n), so every visible token stays in the denominator.
