@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "tests/kernels/cpu_test_layer.h"
@@ -37,6 +38,25 @@ TEST(SparseLayer, EveryPageRoutedEqualsTheDenseLayer) {
   EXPECT_EQ(sparse, dense);
   EXPECT_EQ(report.exact_pages, report.visible_pages);
   EXPECT_GT(report.visible_pages, 0);
+}
+
+// A range marked attend_densely gives its queries the dense layer's rows bit for bit; the others
+// differ (top-k 10%).
+TEST(SparseLayer, DenseRangeRowsEqualTheDenseLayer) {
+  TestLayer L = Layer();
+  L.config.attention.causal = false;
+  std::vector<uint16_t> dense, sparse;
+  ASSERT_TRUE(RunTestLayer(L, 2, &dense).ok());
+  L.config.ranges[1].attend_densely = true;  // tokens [90, 500)
+  L.config.ranges[0].always_attend = true;
+  L.config.attention.sparse.enabled = true;
+  L.config.attention.sparse.topk_ratio = 0.1f;
+  SparseReport report;
+  ASSERT_TRUE(RunSparse(L, 2, &sparse, &report).ok());
+  const int64_t hd = L.config.shape.HeadCols();
+  EXPECT_TRUE(std::equal(sparse.begin() + 90 * hd, sparse.begin() + 500 * hd, dense.begin() + 90 * hd));
+  EXPECT_FALSE(std::equal(sparse.begin() + 500 * hd, sparse.end(), dense.begin() + 500 * hd));
+  EXPECT_LT(report.RoutedFraction(), 1.0);
 }
 
 TEST(SparseLayer, IsBitIdenticalForEveryChunkSizeAndThreadCount) {
