@@ -408,8 +408,19 @@ TEST_F(DaemonTest, SparseAttentionReportsItsRoutedFraction) {
 
   h.mutable_options()->mutable_attention()->mutable_sparse()->set_topk_ratio(0.2f);
   h.mutable_ranges(0)->set_always_attend(true);
+  h.set_keep_kv(true);
   r = c->AttentionLayer(h, DataOf(L, &sparse));
   ASSERT_TRUE(r.ok()) << r.status();
+  // Attend over the kept entry routes the same pages (statistics come from the pages).
+  v1::LayerHeader ah = h;
+  ah.set_keep_kv(false);
+  ah.set_kv_handle(r->kv_handle());
+  std::vector<uint16_t> attended;
+  absl::StatusOr<v1::LayerResult> a = c->Attend(ah, DataOf(L, &attended));
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(attended, sparse);
+  EXPECT_EQ(a->routed_fraction(), r->routed_fraction());
+  ASSERT_TRUE(c->ReleaseKv(r->kv_handle()).ok());
   EXPECT_GT(r->routed_fraction(), 0.0);
   EXPECT_LT(r->routed_fraction(), 1.0);
   EXPECT_LE(r->routed_fraction(), r->plan().routed_fraction_bound());
@@ -417,7 +428,7 @@ TEST_F(DaemonTest, SparseAttentionReportsItsRoutedFraction) {
   EXPECT_GE(r->plan().workspace_bytes(), dense_workspace);
   EXPECT_NE(sparse, dense);
   EXPECT_EQ(r->peak_bytes(), r->plan().predicted_peak_bytes());
-  EXPECT_EQ(Sample(daemon_.Metrics(), "kvpack_sparse_routed_fraction_count"), 2.0);
+  EXPECT_EQ(Sample(daemon_.Metrics(), "kvpack_sparse_routed_fraction_count"), 3.0);
 }
 
 TEST_F(DaemonTest, MetricsMatchStatus) {
