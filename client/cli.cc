@@ -4,6 +4,7 @@
 //   COMMAND: health | status | plan | run | bench
 //   layer flags (plan, run, bench): --tokens N --hidden D --heads H --head_dim d
 //     --ranges "LEN:FMT|FMT[@SEQ],…" --causal --rope --qk_norm --bias --seed S --priority P --keep_kv
+//     --sparse topk=R|tau=T --no_tail --sink_pages K --min_exact_pages K (block-sparse attention)
 //   bench flags: --iterations N --concurrency C --transfer_mib M (inline upload throughput only)
 #include <algorithm>
 #include <atomic>
@@ -35,6 +36,7 @@ commands:
 layer flags: --tokens N (1000) --hidden D (256) --heads H (4) --head_dim d (64)
   --ranges "LEN:FMT|FMT[@SEQ],..." (one range, int8|int4) --causal --rope --qk_norm --bias --seed S
   --priority P --keep_kv
+  --sparse topk=R|tau=T (block-sparse attention) --no_tail --sink_pages K --min_exact_pages K
 bench flags: --iterations N (8) --concurrency C (1) --transfer_mib M (inline upload GB/s)
   --rpc plan|status (round-trip latency of Plan for the layer flags, or of Status)
 )";
@@ -70,7 +72,8 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
       continue;
     }
     std::string name = arg.substr(2), value;
-    const bool is_switch = name == "causal" || name == "rope" || name == "qk_norm" || name == "bias" || name == "keep_kv";
+    const bool is_switch = name == "causal" || name == "rope" || name == "qk_norm" || name == "bias" || name == "keep_kv" ||
+                           name == "no_tail";
     if (auto eq = name.find('='); eq != std::string::npos) {
       value = name.substr(eq + 1);
       name = name.substr(0, eq);
@@ -114,6 +117,21 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
     else if (name == "concurrency") num(&a->concurrency);
     else if (name == "transfer_mib") num(&a->transfer_mib);
     else if (name == "rpc") a->rpc = value;
+    else if (name == "sparse") {
+      double x = 0;
+      a->spec.sparse.enabled = true;
+      if (value.rfind("topk=", 0) == 0 && absl::SimpleAtod(value.substr(5), &x)) {
+        a->spec.sparse.mode = SparseMode::kTopK;
+        a->spec.sparse.topk_ratio = static_cast<float>(x);
+      } else if (value.rfind("tau=", 0) == 0 && absl::SimpleAtod(value.substr(4), &x)) {
+        a->spec.sparse.mode = SparseMode::kRelTau;
+        a->spec.sparse.rel_tau = static_cast<float>(x);
+      } else {
+        ok = false;
+      }
+    } else if (name == "no_tail") a->spec.sparse.tail = false;
+    else if (name == "sink_pages") num(&a->spec.sparse.sink_pages);
+    else if (name == "min_exact_pages") num(&a->spec.sparse.min_exact_pages);
     else {
       *error = "unknown flag --" + name;
       return false;
@@ -171,6 +189,10 @@ void PrintPlan(const v1::PlanResult& p, const v1::LayerHeader& h) {
               Bytes(p.io_bytes()).c_str());
   std::printf("  predicted peak %s of capacity %s; downgrades %d\n", Bytes(p.predicted_peak_bytes()).c_str(),
               Bytes(p.capacity_bytes()).c_str(), p.downgrades());
+  if (p.routing_bytes() > 0) {
+    std::printf("  sparse: routing %s (in workspace), routed fraction at most %.3f\n", Bytes(p.routing_bytes()).c_str(),
+                p.routed_fraction_bound());
+  }
 }
 
 absl::StatusOr<std::string> Register(Client& c, const SyntheticLayer& L) {
@@ -256,6 +278,7 @@ int Run(Client& c, const Args& a) {
   std::printf("  peak pool bytes %s (predicted %s)\n", Bytes(r->peak_bytes()).c_str(),
               Bytes(r->plan().predicted_peak_bytes()).c_str());
   if (!r->kv_handle().empty()) std::printf("  kept K/V: %s\n", r->kv_handle().c_str());
+  if (a.spec.sparse.enabled) std::printf("  sparse: routed_fraction %.4f\n", r->routed_fraction());
   // A run that reports an estimate made the per-head choice (the CPU backend); the CUDA backend
   // reports none and keeps every transform.
   absl::StatusOr<std::vector<uint16_t>> ref = ReferenceOutput(L, r->plan(), r->has_estimated_rel_error());

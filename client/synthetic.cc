@@ -110,6 +110,17 @@ SyntheticLayer MakeSyntheticLayer(const SyntheticSpec& spec_in) {
   }
   v1::LayerOptions* o = h.mutable_options();
   o->mutable_attention()->set_causal(spec.causal);
+  if (spec.sparse.enabled) {
+    v1::SparseOptions* s = o->mutable_attention()->mutable_sparse();
+    if (spec.sparse.mode == SparseMode::kRelTau) {
+      s->set_rel_tau(spec.sparse.rel_tau);
+    } else {
+      s->set_topk_ratio(spec.sparse.topk_ratio);
+    }
+    s->set_tail(spec.sparse.tail);
+    s->set_sink_pages(spec.sparse.sink_pages);
+    s->set_min_exact_pages(spec.sparse.min_exact_pages);
+  }
   if (spec.rope) {
     o->mutable_rope()->set_layout(v1::RopeOptions::LAYOUT_SPLIT_HALVES);
     o->mutable_rope()->add_axis_dims(spec.head_dim);
@@ -153,6 +164,7 @@ absl::StatusOr<std::vector<uint16_t>> ReferenceOutput(const SyntheticLayer& L, c
   config.qk_norm.enabled = spec.qk_norm;
   config.qk_norm.weight_len = spec.qk_norm ? spec.head_dim : 0;
   config.attention.causal = spec.causal;
+  config.attention.sparse = spec.sparse;
   config.has_bias = spec.bias;
   config.transforms.choose_per_head = choose_per_head;
   config.projection_chunk = plan.projection_chunk();

@@ -29,6 +29,7 @@ struct SyntheticSpec {
   bool causal = false;
   bool rope = false;         // 1-axis split-halves RoPE over all channels
   bool qk_norm = false;
+  SparseOptions sparse;      // block-sparse attention when enabled (header and reference)
   bool bias = false;
   uint64_t seed = 1;
 };

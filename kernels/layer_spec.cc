@@ -1,5 +1,6 @@
 #include "kernels/layer_spec.h"
 
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -86,6 +87,32 @@ Error ValidateShape(const LayerShape& shape, bool for_gpu) {
   } else if (!IsPowerOfTwo(d) || d < kMinHeadDimCpu || d > kMaxHeadDimCpu) {
     return Error(ErrorCode::kUnsupported, "head_dim = " + std::to_string(d) +
                                               " is not supported (a power of two from 16 to 256)");
+  }
+  return Error::Ok();
+}
+
+Error ValidateSparse(const SparseOptions& sparse) {
+  if (!sparse.enabled) return Error::Ok();
+  if (sparse.mode == SparseMode::kTopK) {
+    if (!(sparse.topk_ratio > 0.0f && sparse.topk_ratio <= 1.0f)) {
+      return InvalidArgument("attention.sparse.topk_ratio = " + std::to_string(sparse.topk_ratio) +
+                             " is outside (0, 1]");
+    }
+  } else if (sparse.mode == SparseMode::kRelTau) {
+    if (!(std::isfinite(sparse.rel_tau) && sparse.rel_tau >= 0.0f)) {
+      return InvalidArgument("attention.sparse.rel_tau = " + std::to_string(sparse.rel_tau) +
+                             " must be finite and >= 0");
+    }
+  } else {
+    return InvalidArgument("attention.sparse.mode = " + std::to_string(static_cast<int>(sparse.mode)) + " is unknown");
+  }
+  if (sparse.sink_pages < 0 || sparse.sink_pages > kMaxSinkPages) {
+    return InvalidArgument("attention.sparse.sink_pages = " + std::to_string(sparse.sink_pages) + " is outside [0, " +
+                           std::to_string(kMaxSinkPages) + "]");
+  }
+  if (sparse.min_exact_pages < 0 || sparse.min_exact_pages > kMaxMinExactPages) {
+    return InvalidArgument("attention.sparse.min_exact_pages = " + std::to_string(sparse.min_exact_pages) +
+                           " is outside [0, " + std::to_string(kMaxMinExactPages) + "]");
   }
   return Error::Ok();
 }

@@ -34,6 +34,10 @@ struct TokenRange {
   int64_t end = 0;
   int32_t seq_id = 0;  // a query attends only to keys with the same seq_id
   PageFormat format = PageFormat::kInt4;
+  // Block-sparse attention (AttentionOptions::sparse) only: the range's key pages are never pooled,
+  // and its queries attend to every visible page exactly.
+  bool always_attend = false;
+  bool attend_densely = false;
 };
 inline constexpr int kMaxRanges = 256;  // PageDesc::range_index is 8 bits
 
@@ -75,11 +79,42 @@ struct TransformOptions {
   bool choose_per_head = true;
 };
 
+// Block-sparse attention over the packed pages (cpu/sparse_attention.h): per (query block of 64,
+// head) some key pages are attended exactly, every other visible page contributes one pooled term.
+enum class SparseMode : uint8_t {
+  kTopK = 0,    // ceil(topk_ratio · visible pages), at least 1, by centroid · mean-key score
+  kRelTau = 1,  // pages whose score ≥ row max − rel_tau · std of the row's scores
+};
+struct SparseOptions {
+  bool enabled = false;
+  SparseMode mode = SparseMode::kTopK;
+  float topk_ratio = 0.2f;   // (0, 1]
+  float rel_tau = 0.0f;      // finite, ≥ 0
+  bool tail = true;          // pooled term of every visible page not attended exactly
+  int sink_pages = 0;        // leading pages of the entry always exact; 0..kMaxSinkPages
+  int min_exact_pages = 0;   // floor of exact pages per (query block, head); 0..kMaxMinExactPages
+};
+inline constexpr int kMaxSinkPages = 1024;
+inline constexpr int kMaxMinExactPages = 1 << 20;
+
 struct AttentionOptions {
   float softmax_scale = 0.0f;  // 0 means 1/√head_dim
   bool causal = false;         // key position ≤ query position (token index), within a sequence
   MmaPath mma = MmaPath::kAuto;  // tensor-core arithmetic of the attention (mma_path.h)
+  SparseOptions sparse;
 };
+
+// Tallies of a block-sparse call (AttentionOptions::sparse; cpu/sparse_attention.h): the routed fraction is
+// exact_pages / visible_pages over its (query block, head) pairs.
+struct SparseReport {
+  int64_t visible_pages = 0;  // Σ over (block, head) of pages the block sees
+  int64_t exact_pages = 0;    // Σ of pages attended exactly
+  int64_t pooled_pages = 0;   // Σ of pages pooled (0 with the tail off)
+  double RoutedFraction() const { return visible_pages > 0 ? double(exact_pages) / double(visible_pages) : 0.0; }
+};
+
+// OK when sparse is off or every field is in range; the message names the field.
+Error ValidateSparse(const SparseOptions& sparse);
 
 // Where pre-projected Q, K and V rows sit (LayerConfig::projected): element c of head h of token t
 // is at element offset Offset(t, h) + c of each of LayerTensors::q, k, v (bf16). Tokens come in

@@ -11,6 +11,11 @@
 // The dense policy enumerates visible pages from these rules (cuda/attention_device.cuh
 // CollectVisiblePages, cpu/attention.cc AttendTile). A routed (block-sparse) policy is another
 // enumerator — a page list per query tile — over the same KeyVisible masks, not another copy of them.
+// The routed policy (RoutedPages below; cpu/sparse_attention.h builds the lists on the host for now):
+// per (query block, head) an exact list and a pooled list of pages, both in ascending entry order.
+// Exact pages are visited and masked as in the dense policy; a pooled page enters as one term (its
+// mean key, its summed V, weighted by its token count), which is only right when the block sees every
+// key of it — PageFullyVisibleToBlock — so a page seen only in part is always exact.
 // cpu/reference.cc keeps its own token-level rule on purpose: the FP64 reference the kernels are
 // checked against must not share their definition.
 #pragma once
@@ -37,6 +42,19 @@ struct Visibility {
   KVPACK_HD bool PageNeedsMask(const PageDesc& page, bool one_sequence, int64_t first_pos) const {
     return page.n_valid < kPageTokens || !one_sequence || (causal && page.token_begin + page.n_valid - 1 > first_pos);
   }
+  // Every valid key of `page` is visible to every query of a block of sequence `seq` whose first
+  // query is at first_pos (the condition for pooling the page for that block).
+  KVPACK_HD bool PageFullyVisibleToBlock(const PageDesc& page, int32_t seq, int64_t first_pos) const {
+    return page.seq_id == seq && (!causal || page.token_begin + page.n_valid - 1 <= first_pos);
+  }
+};
+
+// One (query block, head)'s routing: pages attended exactly and pages pooled, each ascending.
+struct RoutedPages {
+  const int32_t* exact = nullptr;
+  int n_exact = 0;
+  const int32_t* pooled = nullptr;  // empty with the tail off
+  int n_pooled = 0;
 };
 
 }  // namespace kvpack

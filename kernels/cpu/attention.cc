@@ -30,24 +30,6 @@ int32_t IntDot(const int8_t* a, const int8_t* b, int n) {  // exact, as the INT8
   return s;
 }
 
-// A tile's queries as the INT8 MMA path sees them (mma_path.h): codes, s_q, and Σ_c q̂_c.
-struct QuantizedQueries {
-  int8_t codes[kQueryTile * kMaxHeadDimCpu];
-  float scale[kQueryTile];
-  float sum[kQueryTile];
-};
-void QuantizeQueries(const QueryTile& tile, int d, QuantizedQueries* out) {
-  for (int i = 0; i < tile.n; ++i) {
-    const float* q = tile.q + i * d;
-    float amax = 0.0f, sum = 0.0f;
-    for (int c = 0; c < d; ++c) amax = std::max(amax, std::fabs(q[c])), sum += q[c];
-    const QueryScale s = QueryScaleOf(amax);
-    for (int c = 0; c < d; ++c) out->codes[i * d + c] = QueryCode(q[c], s);
-    out->scale[i] = s.scale;
-    out->sum[i] = sum;
-  }
-}
-
 }  // namespace
 
 bool HasBf16Pages(const KvEntryView& kv) {
@@ -61,98 +43,117 @@ float EffectiveScale(const AttentionOptions& attention, int head_dim) {
   return attention.softmax_scale > 0.0f ? attention.softmax_scale : 1.0f / sqrtf(static_cast<float>(head_dim));
 }
 
-void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool causal, float scale, MmaPath mma,
-                float* out) {
-  // Preconditions: 1 ≤ tile.n ≤ kQueryTile, d ≤ kMaxHeadDimCpu.
+void BeginTile(const QueryTile& tile, int d, MmaPath mma, TileState* state) {
+  const int n = tile.n;
+  std::fill(state->m, state->m + n, -std::numeric_limits<float>::infinity());
+  std::fill(state->l, state->l + n, 0.0f);
+  std::fill(state->acc, state->acc + n * d, 0.0f);
+  state->mma = mma;
+  if (mma != MmaPath::kInt8) return;
+  for (int i = 0; i < n; ++i) {  // the queries as the INT8 path sees them (mma_path.h)
+    const float* q = tile.q + i * d;
+    float amax = 0.0f, sum = 0.0f;
+    for (int c = 0; c < d; ++c) amax = std::max(amax, std::fabs(q[c])), sum += q[c];
+    const QueryScale s = QueryScaleOf(amax);
+    for (int c = 0; c < d; ++c) state->q_codes[i * d + c] = QueryCode(q[c], s);
+    state->q_scale[i] = s.scale;
+    state->q_sum[i] = sum;
+  }
+}
+
+void FoldPage(const KvEntryView& kv, int head, const QueryTile& tile, const Visibility& visibility, float scale,
+              int pg, TileState* state) {
   const int d = kv.head_dim;
   const int n = tile.n;
-
-  // Prologue: running max, sum and accumulator per query.
-  float m[kQueryTile], l[kQueryTile];
-  float acc[kQueryTile * kMaxHeadDimCpu];  // [n, d]
-  std::fill(m, m + n, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + n, 0.0f);
-  std::fill(acc, acc + n * d, 0.0f);
-  const Visibility visibility{causal};
-
-  // Main loop: one page of keys at a time.
+  float* m = state->m;
+  float* l = state->l;
+  float* acc = state->acc;
   float k_page[kPageTokens * kMaxHeadDimCpu];  // [64, d] decoded K̂
   float v_page[kPageTokens * kMaxHeadDimCpu];  // [64, d] decoded V̂
   float p[kPageTokens];                        // one query's probabilities for the page
-  // The INT8 MMA path: K rows as integer codes with their row scale and offset, the queries quantized.
-  int8_t k_codes[kPageTokens * kMaxHeadDimCpu];
+  int8_t k_codes[kPageTokens * kMaxHeadDimCpu];  // the INT8 path: K rows as codes, row scale and offset
   float k_scale[kPageTokens], k_lo[kPageTokens];
-  QuantizedQueries qq;
-  if (mma == MmaPath::kInt8) QuantizeQueries(tile, d, &qq);
-  for (int pg = 0; pg < kv.n_pages; ++pg) {
-    const PageDesc& page = kv.pages[pg];
-    bool seen = false;  // by some query of the tile (a page no query sees is skipped before its decode)
-    for (int i = 0; i < n && !seen; ++i) seen = visibility.PageVisibleToRun(page, tile.seq_ids[i], tile.positions[i]);
-    if (!seen) continue;
-    const PageFormat format = static_cast<PageFormat>(page.format);
-    const int64_t index = static_cast<int64_t>(head) * kv.n_pages + pg;
-    const uint8_t* k_bytes = kv.pool + kv.k_offsets[index];
-    const uint8_t* v_bytes = kv.pool + kv.v_offsets[index];
-    const int valid = page.n_valid;
-    const bool int8_qk = mma == MmaPath::kInt8 && HasIntegerCodes(format);  // BF16 pages: bf16 MMAs
-    for (int j = 0; j < valid; ++j) {
-      if (int8_qk) {
-        IntegerPageRow(format, k_bytes, d, j, k_codes + j * d, &k_scale[j], &k_lo[j]);
-      } else {
-        DecodePageRow(format, k_bytes, d, j, k_page + j * d);
-      }
-    }
-    bool v_decoded = false;
-    for (int i = 0; i < n; ++i) {
-      const float* q = tile.q + i * d;
-      float page_max = -std::numeric_limits<float>::infinity();
-      for (int j = 0; j < valid; ++j) {
-        if (visibility.KeyVisible(page, j, tile.seq_ids[i], tile.positions[i])) {
-          p[j] = int8_qk ? scale * (qq.scale[i] * k_scale[j] * static_cast<float>(IntDot(qq.codes + i * d, k_codes + j * d, d)) +
-                                    qq.sum[i] * k_lo[j])
-                         : scale * Dot(q, k_page + j * d, d);
-          page_max = std::max(page_max, p[j]);
-        } else {
-          p[j] = -std::numeric_limits<float>::infinity();
-        }
-      }
-      if (page_max == -std::numeric_limits<float>::infinity()) continue;  // nothing visible
-      if (!v_decoded) {
-        for (int j = 0; j < valid; ++j) DecodePageRow(format, v_bytes, d, j, v_page + j * d);
-        v_decoded = true;
-      }
-      const float m_new = std::max(m[i], page_max);
-      const float alpha = expf(m[i] - m_new);  // exp(−inf) = 0 on the first visible page
-      float* a = acc + i * d;
-      float sum = 0.0f;
-      for (int c = 0; c < d; ++c) a[c] *= alpha;
-      for (int j = 0; j < valid; ++j) {
-        if (p[j] == -std::numeric_limits<float>::infinity()) continue;
-        const float e = expf(p[j] - m_new);
-        sum += e;
-        const float* vr = v_page + j * d;
-        for (int c = 0; c < d; ++c) a[c] += e * vr[c];
-      }
-      l[i] = l[i] * alpha + sum;
-      m[i] = m_new;
+  const PageDesc& page = kv.pages[pg];
+  bool seen = false;  // by some query of the tile (a page no query sees is skipped before its decode)
+  for (int i = 0; i < n && !seen; ++i) seen = visibility.PageVisibleToRun(page, tile.seq_ids[i], tile.positions[i]);
+  if (!seen) return;
+  const PageFormat format = static_cast<PageFormat>(page.format);
+  const int64_t index = static_cast<int64_t>(head) * kv.n_pages + pg;
+  const uint8_t* k_bytes = kv.pool + kv.k_offsets[index];
+  const uint8_t* v_bytes = kv.pool + kv.v_offsets[index];
+  const int valid = page.n_valid;
+  const bool int8_qk = state->mma == MmaPath::kInt8 && HasIntegerCodes(format);  // BF16 pages: bf16 MMAs
+  for (int j = 0; j < valid; ++j) {
+    if (int8_qk) {
+      IntegerPageRow(format, k_bytes, d, j, k_codes + j * d, &k_scale[j], &k_lo[j]);
+    } else {
+      DecodePageRow(format, k_bytes, d, j, k_page + j * d);
     }
   }
+  bool v_decoded = false;
+  for (int i = 0; i < n; ++i) {
+    const float* q = tile.q + i * d;
+    float page_max = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < valid; ++j) {
+      if (visibility.KeyVisible(page, j, tile.seq_ids[i], tile.positions[i])) {
+        p[j] = int8_qk ? scale * (state->q_scale[i] * k_scale[j] *
+                                      static_cast<float>(IntDot(state->q_codes + i * d, k_codes + j * d, d)) +
+                                  state->q_sum[i] * k_lo[j])
+                       : scale * Dot(q, k_page + j * d, d);
+        page_max = std::max(page_max, p[j]);
+      } else {
+        p[j] = -std::numeric_limits<float>::infinity();
+      }
+    }
+    if (page_max == -std::numeric_limits<float>::infinity()) continue;  // nothing visible
+    if (!v_decoded) {
+      for (int j = 0; j < valid; ++j) DecodePageRow(format, v_bytes, d, j, v_page + j * d);
+      v_decoded = true;
+    }
+    const float m_new = std::max(m[i], page_max);
+    const float alpha = expf(m[i] - m_new);  // exp(−inf) = 0 on the first visible page
+    float* a = acc + i * d;
+    float sum = 0.0f;
+    for (int c = 0; c < d; ++c) a[c] *= alpha;
+    for (int j = 0; j < valid; ++j) {
+      if (p[j] == -std::numeric_limits<float>::infinity()) continue;
+      const float e = expf(p[j] - m_new);
+      sum += e;
+      const float* vr = v_page + j * d;
+      for (int c = 0; c < d; ++c) a[c] += e * vr[c];
+    }
+    l[i] = l[i] * alpha + sum;
+    m[i] = m_new;
+  }
+}
 
-  // Epilogue: normalise, un-rotate, undo V balancing, add μ_v back.
+void FinishTile(const KvEntryView& kv, int head, int n, const TileState& state, float* out) {
+  // Normalise, un-rotate, undo V balancing, add μ_v back.
+  const int d = kv.head_dim;
   const float* mu_v = kv.mu_v + static_cast<int64_t>(head) * d;
   const float* lambda_v = kv.lambda_v + static_cast<int64_t>(head) * d;
   for (int i = 0; i < n; ++i) {
     float* o = out + i * d;
-    if (l[i] == 0.0f) {
+    if (state.l[i] == 0.0f) {
       std::fill(o, o + d, 0.0f);
       continue;
     }
-    const float inv = 1.0f / l[i];
-    for (int c = 0; c < d; ++c) o[c] = acc[i * d + c] * inv;
+    const float inv = 1.0f / state.l[i];
+    for (int c = 0; c < d; ++c) o[c] = state.acc[i * d + c] * inv;
     if (kv.rotate) RotateInverse(o, d, kv.seed);
     for (int c = 0; c < d; ++c) o[c] *= lambda_v[c];
     for (int c = 0; c < d; ++c) o[c] += mu_v[c];
   }
+}
+
+void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool causal, float scale, MmaPath mma,
+                float* out) {
+  // Preconditions: 1 ≤ tile.n ≤ kQueryTile, d ≤ kMaxHeadDimCpu.
+  TileState state;
+  BeginTile(tile, kv.head_dim, mma, &state);
+  const Visibility visibility{causal};
+  for (int pg = 0; pg < kv.n_pages; ++pg) FoldPage(kv, head, tile, visibility, scale, pg, &state);
+  FinishTile(kv, head, tile.n, state, out);
 }
 
 Error AttendFloat(const KvEntryView& kv, const QueryBlock& queries, const AttentionOptions& attention,

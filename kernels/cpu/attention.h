@@ -20,6 +20,7 @@
 
 #include "kernels/layer_spec.h"
 #include "kernels/mma_path.h"
+#include "kernels/visibility.h"
 
 namespace kvpack::cpu {
 
@@ -36,12 +37,34 @@ struct QueryTile {
 // Softmax scale actually used: attention.softmax_scale, or 1/sqrt(d) when it is 0.
 float EffectiveScale(const AttentionOptions& attention, int head_dim);
 
+// The online-softmax state of one tile, and the three steps AttendTile is made of. This is the hook the
+// block-sparse path (sparse_attention.h) shares: it folds its routed pages with FoldPage, its pooled
+// terms into the same m, ℓ and acc, and finishes with FinishTile, so a page it attends exactly is
+// attended by the very code of the dense path.
+struct TileState {
+  float m[kQueryTile];                      // running max per query
+  float l[kQueryTile];                      // running denominator per query
+  float acc[kQueryTile * kMaxHeadDimCpu];   // [n, d] running numerator (stored V domain)
+  // The MMA path's logits (mma_path.h): kInt8 takes the INT4/INT8 pages' logits from the queries'
+  // int8 codes (q_codes [n, d], their s_q and Σq̂) and the K codes, as the GPU's INT8 path does.
+  MmaPath mma = MmaPath::kBf16;
+  int8_t q_codes[kQueryTile * kMaxHeadDimCpu];
+  float q_scale[kQueryTile];
+  float q_sum[kQueryTile];
+};
+// `mma` is the resolved path (ResolveMmaPath).
+void BeginTile(const QueryTile& tile, int d, MmaPath mma, TileState* state);
+// Folds page `page` of head `head` into the state of `tile` (skipped when no query of the tile sees it).
+void FoldPage(const KvEntryView& kv, int head, const QueryTile& tile, const Visibility& visibility, float scale,
+              int page, TileState* state);
+// acc/ℓ, Rᵀ, ⊙ λ_v, + μ_v into out[n, d]; zeros for a query that saw no key.
+void FinishTile(const KvEntryView& kv, int head, int n, const TileState& state, float* out);
+
 // Whether any page of the entry is BF16 (which keeps a layer on bf16 MMAs: ResolveMmaPath).
 bool HasBf16Pages(const KvEntryView& kv);
 
-// out[i·d + c] = attention output of query i for head `head`, channel c (fp32, final form). `mma` is the
-// resolved path (ResolveMmaPath): kInt8 computes the logits of INT4/INT8 pages as the GPU's INT8 MMA
-// path does (queries quantized per row, integer dot products with the K codes; mma_path.h).
+// out[i·d + c] = attention output of query i for head `head`, channel c (fp32, final form), on the
+// resolved MMA path `mma`.
 void AttendTile(const KvEntryView& kv, int head, const QueryTile& tile, bool causal, float scale, MmaPath mma,
                 float* out);
 

@@ -9,6 +9,7 @@
 #include "kernels/cpu/epilogue.h"
 #include "kernels/cpu/pack.h"
 #include "kernels/cpu/projection.h"
+#include "kernels/cpu/sparse_layer.h"
 #include "kernels/cpu/stats.h"
 #include "kernels/cpu/thread_pool.h"
 
@@ -111,8 +112,9 @@ uint64_t ProjectionBytes(const LayerConfig& config) {
          (2 * config.shape.HeadCols()) * kBf16Bytes;
 }
 uint64_t QueryBytes(const LayerConfig& config) {
-  return static_cast<uint64_t>(std::min(config.query_chunk, config.shape.n_tokens)) * config.shape.HeadCols() *
-         kBf16Bytes;
+  const int64_t rows = config.attention.sparse.enabled ? SparseQueryRows(config)
+                                                       : std::min(config.query_chunk, config.shape.n_tokens);
+  return static_cast<uint64_t>(rows) * config.shape.HeadCols() * kBf16Bytes;
 }
 
 }  // namespace
@@ -139,6 +141,7 @@ Error Supported(const LayerConfig& config) {
   if (!std::isfinite(config.attention.softmax_scale) || config.attention.softmax_scale < 0.0f) {
     return InvalidArgument("attention.softmax_scale must be finite and >= 0 (0 means 1/sqrt(head_dim))");
   }
+  if (Error e = ValidateSparse(config.attention.sparse); !e.ok()) return e;
   if (config.stats != nullptr) {
     if (Error e = CheckStats(*config.stats, shape); !e.ok()) return e;
   } else if (NeedsSamplePass(config) && config.transforms.stats_sample_tokens <= 0) {
@@ -155,7 +158,7 @@ uint64_t KvBytes(const LayerConfig& config) {
 
 uint64_t WorkspaceBytes(const LayerConfig& config) {
   if (!Supported(config).ok()) return 0;
-  return std::max({SampleBytes(config), ProjectionBytes(config), QueryBytes(config)});
+  return std::max({SampleBytes(config), ProjectionBytes(config), QueryBytes(config) + RoutingBytes(config)});
 }
 
 // ── Phases ──────────────────────────────────────────────────────────────────────────────────────
@@ -257,7 +260,7 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
 }
 
 Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const KvEntryView& kv,
-                  uint8_t* workspace, const CpuOptions& options, const ChunkGate& gate) {
+                  uint8_t* workspace, const CpuOptions& options, const ChunkGate& gate, SparseReport* sparse_report) {
   // Preconditions.
   if (Error e = Supported(config); !e.ok()) return e;
   if (Error e = CheckTensors(config, tensors, true); !e.ok()) return e;
@@ -279,9 +282,16 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
   const TokenPageMap map(config.ranges);
   uint16_t* q_ws = reinterpret_cast<uint16_t*>(workspace);  // bf16 [Tq, H·d]: Q in stored form
 
-  for (int64_t begin = 0; begin < n; begin += config.query_chunk) {
+  const bool sparse = config.attention.sparse.enabled;
+  uint8_t* routing = workspace + QueryBytes(config);
+  if (sparse) {
+    float* mean_k = reinterpret_cast<float*>(routing);
+    ComputePageStats(kv, mean_k, mean_k + static_cast<int64_t>(heads) * kv.n_pages * d, CpuOptions{threads});
+  }
+  for (int64_t begin = 0, end = 0; begin < n; begin = end) {
     if (Error e = PassGate(gate, "attention"); !e.ok()) return e;
-    const int64_t rows = std::min(config.query_chunk, n - begin);
+    end = sparse ? SparseChunkEnd(config, kv, begin) : std::min(begin + config.query_chunk, n);
+    const int64_t rows = end - begin;
     // Q of the chunk, from x rows [begin, begin + rows) — read before any of them is overwritten.
     ParallelFor(threads, rows, [&](int64_t r) {
       const int64_t t = begin + r;
@@ -296,6 +306,10 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
         for (int c = 0; c < d; ++c) head_row[c] = FloatToBf16(q[c]);  // exact: q is bf16-valued
       }
     });
+    if (sparse) {
+      AttendChunkSparse(config, kv, q_ws, begin, end, routing, threads, tensors.out, sparse_report);
+      continue;
+    }
     // Attention: tiles of kQueryTile queries × one head; writes out rows [begin, begin + rows).
     const MmaPath mma = ResolveMmaPath(config.attention.mma, HasBf16Pages(kv), kv.head_dim, kv.rotate);
     const int64_t n_tiles = (rows + kQueryTile - 1) / kQueryTile;
@@ -325,11 +339,11 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
 }
 
 Error RunLayer(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-               const CpuOptions& options, const ChunkGate& gate) {
+               const CpuOptions& options, const ChunkGate& gate, SparseReport* sparse_report) {
   if (Error e = ProjectKv(config, tensors, kv, workspace, options, gate); !e.ok()) return e;
   const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
   const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
-  return AttendLayer(config, tensors, view, workspace, options, gate);
+  return AttendLayer(config, tensors, view, workspace, options, gate, sparse_report);
 }
 
 }  // namespace kvpack::cpu

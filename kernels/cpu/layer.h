@@ -32,7 +32,8 @@
 //                                         ([S, 2·H·d] without            config.stats and with
 //                                         choose_per_head)                smooth or balance on)
 //   projection  bf16 [min(Tp, N), 2·H·d]  K then V columns of one chunk
-//   queries     bf16 [min(Tq, N), H·d]    Q of one chunk in stored form
+//   queries     bf16 [min(Tq, N), H·d]    Q of one chunk in stored form (sparse: Tq + 63 rows,
+//                                         then the statistics and routes, sparse_layer.h)
 // WorkspaceBytes is the largest of the three, and that many bytes are written (tests hold it).
 // With projected input only the queries are held there.
 // Per-thread stack buffers are ~180 KiB at d = 256 (two decoded pages, a tile of queries, its
@@ -75,12 +76,15 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
 
 // Projects Q chunk by chunk from tensors.x and attends to the entry `kv` (the same N tokens, so
 // query i has the sequence id and position of token i). Writes tensors.out.
+// With config.attention.sparse the block-sparse path runs (sparse_layer.h) and, when
+// sparse_report is set, its tallies are added to it.
 Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const KvEntryView& kv,
-                  uint8_t* workspace, const CpuOptions& options, const ChunkGate& gate);
+                  uint8_t* workspace, const CpuOptions& options, const ChunkGate& gate,
+                  SparseReport* sparse_report = nullptr);
 
 // ProjectKv then AttendLayer; with config.in_place, tensors.out == tensors.x.
 Error RunLayer(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-               const CpuOptions& options, const ChunkGate& gate);
+               const CpuOptions& options, const ChunkGate& gate, SparseReport* sparse_report = nullptr);
 
 // ── Pieces on float tensors (quality evaluation and tests) ──────────────────────────────────────
 

@@ -90,4 +90,29 @@ Error PackKv(const float* k, const float* v, const LayerShape& shape, const std:
   return Error::Ok();
 }
 
+void ComputePageStats(const KvEntryView& kv, float* mean_k, float* v_sum, const CpuOptions& options) {
+  const int d = kv.head_dim;
+  ParallelFor(options.n_threads, static_cast<int64_t>(kv.n_heads) * kv.n_pages, [&](int64_t item) {
+    const int pg = static_cast<int>(item % kv.n_pages);
+    const PageDesc& page = kv.pages[pg];
+    const PageFormat format = static_cast<PageFormat>(page.format);
+    const uint8_t* k_bytes = kv.pool + kv.k_offsets[item];
+    const uint8_t* v_bytes = kv.pool + kv.v_offsets[item];
+    double k_acc[kMaxHeadDimCpu] = {}, v_acc[kMaxHeadDimCpu] = {};
+    float row[kMaxHeadDimCpu];
+    for (int j = 0; j < page.n_valid; ++j) {
+      DecodePageRow(format, k_bytes, d, j, row);
+      for (int c = 0; c < d; ++c) k_acc[c] += row[c];
+      DecodePageRow(format, v_bytes, d, j, row);
+      for (int c = 0; c < d; ++c) v_acc[c] += row[c];
+    }
+    float* mk = mean_k + item * d;
+    float* vs = v_sum + item * d;
+    for (int c = 0; c < d; ++c) {
+      mk[c] = static_cast<float>(k_acc[c] / page.n_valid);
+      vs[c] = static_cast<float>(v_acc[c]);
+    }
+  });
+}
+
 }  // namespace kvpack::cpu

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cpu/layer.h"
 #include "kernels/cpu/stats.h"
 #include "kernels/layer_spec.h"
 
@@ -40,5 +41,12 @@ void WriteTransformRecord(const KvLayout& layout, const TransformRecord& record,
 // rows (d floats each, after QK-norm and RoPE); they are used as scratch and clobbered.
 void PackRow(const KvLayout& layout, const LayerShape& shape, const TransformOptions& transforms,
              const KvStats& stats, int page, int slot, int head, float* k, float* v, uint8_t* block);
+
+// The page statistics of block-sparse attention (sparse_attention.h, docs/format.md): per (head,
+// page) the mean of the decoded stored K rows into mean_k and the sum of the decoded stored V rows
+// into v_sum, [H, P, d] floats each (sums in double in slot order, rounded once). Computed from
+// the pages just packed, so the values are those a projection epilogue writing them in its own
+// pass would produce. REQUIRES: head_dim ≤ kMaxHeadDimCpu.
+void ComputePageStats(const KvEntryView& kv, float* mean_k, float* v_sum, const CpuOptions& options);
 
 }  // namespace kvpack::cpu

@@ -6,6 +6,7 @@
 
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/pack.h"
+#include "kernels/cpu/sparse_attention.h"
 #include "kernels/cpu/stats.h"
 
 namespace kvpack::cpu {
@@ -259,7 +260,7 @@ QualityResult CompareOutputs(const double* reference, const float* out, int64_t 
 Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float* v, int64_t n_k, int n_heads,
                         int head_dim, PageFormat format, const TransformOptions& transforms,
                         const AttentionOptions& attention, const CpuOptions& options, float* out,
-                        double* bits_per_value, TransformRecord* record) {
+                        double* bits_per_value, TransformRecord* record, SparseReport* sparse_report) {
   LayerShape shape;
   shape.n_tokens = n_k;
   shape.hidden = n_heads * head_dim;
@@ -296,10 +297,14 @@ Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float
   queries.q = q;
   queries.n_q = n_q;
   std::vector<int64_t> last(static_cast<size_t>(n_q), n_k - 1);  // positions only matter when causal
+  if (attention.sparse.enabled && n_q == n_k) {
+    for (int64_t i = 0; i < n_q; ++i) last[i] = i;  // self-attention: a query block is a page
+  }
   queries.positions = last.data();
   if (bits_per_value != nullptr) {
     *bits_per_value = 8.0 * static_cast<double>(layout.page_bytes) / (2.0 * n_k * n_heads * head_dim);
   }
+  if (attention.sparse.enabled) return SparseAttendFloat(view, queries, attention, ranges, out, options, sparse_report);
   return AttendFloat(view, queries, attention, out, options);
 }
 

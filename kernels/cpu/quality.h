@@ -84,10 +84,14 @@ QualityResult CompareOutputs(const double* reference, const float* out, int64_t 
 // the strided sample; with transforms.choose_per_head the per-head choice as the layer makes it,
 // its queries the strided sample of q), attends with q ([n_q, H, d], every query sees every key),
 // writes out [n_q, H, d], the stored bits per value in *bits_per_value and the entry's per-head
-// flags and estimates in *record (either may be null).
+// flags and estimates in *record (either may be null). With attention.sparse the block-sparse path
+// runs (sparse_attention.h) and adds its tallies to *sparse_report (may be null); its query blocks
+// are the pages of the queries' positions: query i at position i when n_q == n_k (self-attention),
+// otherwise every query at n_k − 1 (blocks of 64 consecutive queries).
 Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float* v, int64_t n_k, int n_heads,
                         int head_dim, PageFormat format, const TransformOptions& transforms,
                         const AttentionOptions& attention, const CpuOptions& options, float* out,
-                        double* bits_per_value, TransformRecord* record = nullptr);
+                        double* bits_per_value, TransformRecord* record = nullptr,
+                        SparseReport* sparse_report = nullptr);
 
 }  // namespace kvpack::cpu

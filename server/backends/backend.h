@@ -72,8 +72,9 @@ class Backend {
   // when these return.
   virtual absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv,
                                  uint8_t* workspace, const ChunkGate& gate) = 0;
+  // With config.attention.sparse, the tallies of the routing are added to *sparse_report (when set).
   virtual absl::Status AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
-                                   uint8_t* workspace, const ChunkGate& gate) = 0;
+                                   uint8_t* workspace, const ChunkGate& gate, SparseReport* sparse_report) = 0;
   // Whether calls running at once share one device and should take turns chunk by chunk through
   // their gates (server/core/turns.h): true on the CUDA backend (one GPU, whose chunks run one at a
   // time so that a short request need not wait for a whole long layer); false on the CPU backend,

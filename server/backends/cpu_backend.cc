@@ -25,10 +25,10 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
-                           uint8_t* workspace, const ChunkGate& gate) override {
+                           uint8_t* workspace, const ChunkGate& gate, SparseReport* sparse_report) override {
     const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
     const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
-    return ToStatus(cpu::AttendLayer(config, tensors, view, workspace, options_, gate));
+    return ToStatus(cpu::AttendLayer(config, tensors, view, workspace, options_, gate, sparse_report));
   }
 
   std::unique_ptr<Arena> CreateArena() override { return MakeHostArena(); }

@@ -22,9 +22,9 @@ class FaultyBackend final : public Backend {
     return b_->ProjectKv(c, t, kv, ws, gate);
   }
   absl::Status AttendLayer(const LayerConfig& c, const LayerTensors& t, const uint8_t* kv, uint8_t* ws,
-                           const ChunkGate& gate) override {
+                           const ChunkGate& gate, SparseReport* sparse_report) override {
     if (absl::Status s = Injected("AttendLayer"); !s.ok()) return s;
-    return b_->AttendLayer(c, t, kv, ws, gate);
+    return b_->AttendLayer(c, t, kv, ws, gate, sparse_report);
   }
   bool TakesTurns() const override { return b_->TakesTurns(); }
   std::unique_ptr<Arena> CreateArena() override { return b_->CreateArena(); }

@@ -21,6 +21,8 @@ struct RangeRequest {
   double max_rel_error = 0.0;
   std::string role;             // "text", "reference", "audio", "generated" or "" (policies)
   bool precision_given = true;  // false: the caller named no formats and no budget (a policy may fill them)
+  bool always_attend = false;   // block-sparse attention: TokenRange::always_attend
+  bool attend_densely = false;  // block-sparse attention: TokenRange::attend_densely
 };
 
 // Estimated relative L2 error of the layer's output with every key in format f (index PageFormat),

@@ -18,7 +18,7 @@ LayerConfig MakeLayerConfig(const LayerRequest& request, const std::vector<PageF
   config.ranges.reserve(request.ranges.size());
   for (size_t i = 0; i < request.ranges.size(); ++i) {
     const RangeRequest& r = request.ranges[i];
-    config.ranges.push_back(TokenRange{r.begin, r.end, r.seq_id, formats[i]});
+    config.ranges.push_back(TokenRange{r.begin, r.end, r.seq_id, formats[i], r.always_attend, r.attend_densely});
   }
   config.rope = request.rope;
   config.qk_norm = request.qk_norm;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/estimate.h"
+#include "kernels/cpu/sparse_layer.h"
 #include "server/core/policy.h"
 
 namespace kvpack::server {
@@ -79,6 +80,12 @@ absl::StatusOr<LayerRequest> LayerRequestFromProto(const v1::LayerHeader& header
                                                      "' is not a role (text, reference, audio, generated)"));
     }
     range.role = in.role();
+    range.always_attend = in.always_attend();
+    range.attend_densely = in.attend_densely();
+    if ((range.always_attend || range.attend_densely) && !header.options().attention().has_sparse()) {
+      return absl::InvalidArgumentError(absl::StrCat("header.ranges[", i, "].", range.always_attend ? "always_attend" : "attend_densely",
+                                                     ": needs header.options.attention.sparse"));
+    }
     range.precision_given = !range.allowed.empty() || range.max_rel_error != 0.0;
     if (range.allowed.empty()) range.allowed.push_back(PageFormat::kInt4);
     r.ranges.push_back(std::move(range));
@@ -139,12 +146,33 @@ absl::StatusOr<LayerRequest> LayerRequestFromProto(const v1::LayerHeader& header
   if (!(r.attention.softmax_scale >= 0.0f) || r.attention.softmax_scale == std::numeric_limits<float>::infinity()) {
     return absl::InvalidArgumentError("header.options.attention.softmax_scale must be finite and not negative");
   }
+  if (absl::Status s = SparseFromProto(options.attention(), &r.attention.sparse); !s.ok()) return s;
   r.has_bias = has_bias;
   r.in_place = header.output().mode() == v1::OUTPUT_IN_PLACE;
   if (header.input_case() == v1::LayerHeader::kProjected) {
     if (absl::Status s = ProjectedFromProto(header, &r); !s.ok()) return s;
   }
   return r;
+}
+
+absl::Status SparseFromProto(const v1::AttentionOptions& attention, SparseOptions* out) {
+  *out = SparseOptions{};
+  if (!attention.has_sparse()) return absl::OkStatus();
+  const v1::SparseOptions& s = attention.sparse();
+  out->enabled = true;
+  switch (s.routing_case()) {
+    case v1::SparseOptions::kRelTau:
+      out->mode = SparseMode::kRelTau;
+      out->rel_tau = s.rel_tau();
+      break;
+    case v1::SparseOptions::kTopkRatio: out->topk_ratio = s.topk_ratio(); break;
+    default: break;  // top-k at the default ratio
+  }
+  if (s.has_tail()) out->tail = s.tail();
+  out->sink_pages = s.sink_pages();
+  out->min_exact_pages = s.min_exact_pages();
+  if (Error e = ValidateSparse(*out); !e.ok()) return absl::InvalidArgumentError("header.options." + e.message());
+  return absl::OkStatus();
 }
 
 absl::Status ProjectedFromProto(const v1::LayerHeader& header, LayerRequest* r) {
@@ -242,6 +270,10 @@ void PlanToProto(const LayerPlan& plan, v1::PlanResult* out) {
   out->set_predicted_peak_bytes(plan.peak_bytes);
   out->set_downgrades(plan.downgrades);
   out->set_capacity_bytes(plan.capacity_bytes);
+  if (plan.config.attention.sparse.enabled) {
+    out->set_routed_fraction_bound(cpu::RoutedFractionBound(plan.config));
+    out->set_routing_bytes(cpu::RoutingBytes(plan.config));
+  }
 }
 
 absl::Status EstimateFromSampleProto(const v1::QkvSample& sample, LayerRequest* r) {

@@ -25,6 +25,10 @@ absl::StatusOr<LayerRequest> LayerRequestFromProto(const v1::LayerHeader& header
 // REQUIRES: r->shape, rope, qk_norm and in_place already converted.
 absl::Status ProjectedFromProto(const v1::LayerHeader& header, LayerRequest* r);
 
+// header.options.attention.sparse into *out (disabled when unset); INVALID_ARGUMENT naming the field.
+absl::Status SparseFromProto(const v1::AttentionOptions& attention, SparseOptions* out);
+
+// With sparse attention also routed_fraction_bound and routing_bytes (cpu/sparse_layer.h).
 void PlanToProto(const LayerPlan& plan, v1::PlanResult* out);
 void EstimateToProto(const ErrorEstimate& estimate, v1::ErrorEstimate* out);
 

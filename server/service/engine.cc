@@ -478,11 +478,12 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   }
   if (job.mode != LayerMode::kProject) {
     const absl::Time t0 = clock_->Now();
-    absl::Status s = backend_->AttendLayer(config, tensors, kv, ws_lease.data(), gate);
+    absl::Status s = backend_->AttendLayer(config, tensors, kv, ws_lease.data(), gate, &job.sparse_report);
     if (turns_) turns_->Release(job.turn);
     if (!s.ok()) return s;
     job.attend_seconds = absl::ToDoubleSeconds(clock_->Now() - t0);
     metrics_->ObserveStage(Stage::kAttend, job.attend_seconds);
+    if (config.attention.sparse.enabled) metrics_->ObserveRoutedFraction(job.sparse_report.RoutedFraction());
   }
   if (host_out != nullptr) {
     const absl::Time t0 = clock_->Now();

@@ -92,6 +92,8 @@ struct LayerJob {
   // The run's own error estimate, read from the entry's head_estimates table after ProjectKv
   // (absent when the pre-pass made none: CUDA backend, caller's stats, transforms off, Attend).
   ErrorEstimate estimate;
+  // Block-sparse attention's tallies (LayerResult.routed_fraction); zeros when sparse is off.
+  SparseReport sparse_report;
   std::function<void(absl::Status)> done;
 };
 

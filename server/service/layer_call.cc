@@ -486,6 +486,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
     PlanToProto(job_->plan, result->mutable_plan());
     result->set_kv_handle(job_->kv_handle);
     result->set_peak_bytes(job_->peak_bytes);
+    result->set_routed_fraction(job_->sparse_report.RoutedFraction());
     v1::StageSeconds* sec = result->mutable_seconds();
     sec->set_queue(job_->queue_seconds);
     sec->set_project(job_->project_seconds);

@@ -160,6 +160,13 @@ Metrics::Metrics(std::string version, std::string backend, KernelInfo kernel, ui
   for (int f = 0; f < kNumPageFormats; ++f) {
     estimated_error_[f] = &estimated.Add({{"format", FormatName(static_cast<PageFormat>(f))}}, errors);
   }
+  std::vector<double> fractions;  // 0.05 .. 1 in steps of 0.05
+  for (int i = 1; i <= 20; ++i) fractions.push_back(0.05 * i);
+  routed_fraction_ = &prometheus::BuildHistogram()
+                          .Name("kvpack_sparse_routed_fraction")
+                          .Help("Per block-sparse request, the fraction of visible key pages attended exactly")
+                          .Register(*registry_)
+                          .Add({}, fractions);
 }
 
 Metrics::~Metrics() = default;
@@ -194,5 +201,6 @@ void Metrics::AddDowngrades(uint64_t ranges) { downgrades_->Increment(static_cas
 void Metrics::ObserveEstimatedError(PageFormat format, double rel_error) {
   estimated_error_[static_cast<int>(format)]->Observe(rel_error);
 }
+void Metrics::ObserveRoutedFraction(double fraction) { routed_fraction_->Observe(fraction); }
 
 }  // namespace kvpack::server

@@ -77,6 +77,8 @@ class Metrics {
   void AddDowngrades(uint64_t ranges);
   // One range of a run: the pre-pass's estimated relative error of the layer in the range's format.
   void ObserveEstimatedError(PageFormat format, double rel_error);
+  // A block-sparse request's routed fraction (exact pages / visible pages).
+  void ObserveRoutedFraction(double fraction);
 
   // The exposition text of every family (what GET /metrics answers).
   std::string Render() const;
@@ -93,6 +95,7 @@ class Metrics {
   std::array<prometheus::Counter*, kNumPageFormats> tokens_{};
   prometheus::Counter* downgrades_ = nullptr;
   std::array<prometheus::Histogram*, kNumPageFormats> estimated_error_{};
+  prometheus::Histogram* routed_fraction_ = nullptr;
 };
 
 }  // namespace kvpack::server

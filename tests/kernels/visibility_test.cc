@@ -67,6 +67,24 @@ TEST(Visibility, PageAnswersSummariseTheKeyRule) {
   }
 }
 
+// The routed policy pools a page for a block only when every valid key is visible to every query
+// of the block (one sequence, consecutive positions).
+TEST(Visibility, FullyVisibleToBlockMeansEveryKeyForEveryQuery) {
+  std::mt19937_64 rng(0x726f757465);
+  for (int trial = 0; trial < kTrials; ++trial) {
+    const Visibility vis{trial % 2 == 1};
+    const PageDesc page = RandomPage(rng);
+    const int32_t seq = std::uniform_int_distribution<int32_t>(0, 5)(rng);
+    const int64_t first = std::uniform_int_distribution<int64_t>(0, 1300)(rng);
+    const int n = std::uniform_int_distribution<int>(1, kPageTokens)(rng);
+    bool all = true;
+    for (int r = 0; r < n; ++r) {
+      for (int j = 0; j < page.n_valid; ++j) all = all && vis.KeyVisible(page, j, seq, first + r);
+    }
+    ASSERT_EQ(vis.PageFullyVisibleToBlock(page, seq, first), all) << "trial " << trial;
+  }
+}
+
 TEST(Visibility, CausalHidesOnlyFutureKeys) {
   PageDesc page{};
   page.token_begin = 100, page.seq_id = 2, page.n_valid = 40;

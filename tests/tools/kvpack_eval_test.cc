@@ -125,6 +125,26 @@ TEST_F(KvpackEval, ReportsTheWorstHeadAndTheChoice) {
   EXPECT_NE(fixed.out.find("\"choose_per_head\": false"), std::string::npos) << fixed.out;
 }
 
+// Block-sparse attention on the locality data: routed fraction and both errors in the JSON; the
+// sparse error is above the dense packed path's and every page routed gives the dense error.
+TEST_F(KvpackEval, SparseOnLocalityDataReportsTheRoutedFraction) {
+  const ExecResult r = Exec("--locality 4:16:16:64:2:32 --sparse topk=0.2 --seed 3");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("\"data\": \"locality\""), std::string::npos) << r.out;
+  EXPECT_EQ(JsonNumber(r.out, "n_q"), 64 + 4 * 16 * 16);
+  const double routed = JsonNumber(r.out, "routed_fraction");
+  EXPECT_GT(routed, 0.2);
+  EXPECT_LT(routed, 0.6);
+  EXPECT_GT(JsonNumber(r.out, "rel_l2"), JsonNumber(r.out, "dense_rel_l2"));
+  EXPECT_GT(JsonNumber(r.out, "pooled_pages"), 0);
+  const ExecResult full = Exec("--locality 4:16:16:64:2:32 --sparse topk=1 --no-tail --seed 3");
+  ASSERT_EQ(full.code, 0) << full.out;
+  EXPECT_EQ(JsonNumber(full.out, "routed_fraction"), 1.0);
+  EXPECT_EQ(JsonNumber(full.out, "rel_l2"), JsonNumber(full.out, "dense_rel_l2"));
+  EXPECT_EQ(JsonNumber(full.out, "pooled_pages"), 0);
+  EXPECT_NE(full.out.find("\"tail\": false"), std::string::npos) << full.out;
+}
+
 TEST_F(KvpackEval, BadInputsExitWithCodeTwoAndSayWhy) {
   auto write_raw = [&](const std::string& name, const std::string& bytes) {
     std::ofstream(Path(name), std::ios::binary) << bytes;
@@ -197,6 +217,26 @@ TEST(KvpackEvalArgs, ParsesIntoOptions) {
   EXPECT_EQ(o.threads, 3);
   EXPECT_FALSE(ParseEvalArgs({"--synthetic", "10:2:16", "--q", "a.npy"}, &o, &error));
   EXPECT_NE(error.find("exclude"), std::string::npos);
+
+  EvalOptions s;
+  ASSERT_TRUE(ParseEvalArgs({"--locality", "2:8:8:16:2:32", "--data", "qknorm", "--sparse", "tau=1.5", "--no-tail",
+                             "--min-exact-pages", "3"},
+                            &s, &error))
+      << error;
+  EXPECT_TRUE(s.locality && s.locality_options.qk_norm && s.sparse.enabled && !s.sparse.tail);
+  EXPECT_EQ(s.sparse.mode, SparseMode::kRelTau);
+  EXPECT_EQ(s.sparse.rel_tau, 1.5f);
+  EXPECT_EQ(s.sparse.min_exact_pages, 3);
+  auto parses = [&](const std::vector<std::string>& args) {
+    EvalOptions fresh;
+    return ParseEvalArgs(args, &fresh, &error);
+  };
+  EXPECT_FALSE(parses({"--synthetic", "10:2:16", "--sparse", "topk=0"}));
+  EXPECT_NE(error.find("topk_ratio"), std::string::npos) << error;
+  EXPECT_FALSE(parses({"--synthetic", "10:2:16", "--sparse", "half"}));
+  EXPECT_FALSE(parses({"--synthetic", "10:2:16", "--no-tail"}));
+  EXPECT_NE(error.find("--sparse"), std::string::npos) << error;
+  EXPECT_FALSE(parses({"--locality", "2:8:8:16:2:32", "--data", "sinks"}));
 }
 
 }  // namespace

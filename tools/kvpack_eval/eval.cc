@@ -79,11 +79,15 @@ const char kEvalUsage[] =
     "and overall (mean cosine, worst head), the per-head transform choice and the estimated rel_l2.\n"
     "--no-rotate, --no-smooth, --no-balance switch off the format's transforms (balance: K and V channel\n"
     "balancing, lambda and lambda_v); all three off is naive per-row quantization. --fixed-transforms\n"
-    "gives every head all allowed transforms instead of the per-head choice. --data picks the synthetic kind.\n";
+    "gives every head all allowed transforms instead of the per-head choice. --data picks the synthetic kind.\n"
+    "       kvpack-eval --locality F:Y:X:T:H:d [--data locality|qknorm|iid] [--seed S] [same options]\n"
+    "Any of them with --sparse topk=R|tau=T [--no-tail] [--sink-pages K] [--min-exact-pages K]: block-sparse\n"
+    "attention; the JSON adds routed_fraction and the dense packed path's dense_rel_l2 and dense_cosine.\n";
 
 bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::string* error) {
   int64_t queries = -1;
   bool data_given = false;
+  std::string data_kind, sparse_flag;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     auto value = [&](std::string* out) {
@@ -114,10 +118,48 @@ bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::st
       o->transforms.choose_per_head = false;
     } else if (a == "--data") {
       if (!value(&v)) return false;
-      if (!cpu::ParseSyntheticKind(v, &o->synthetic_options.kind)) {
-        return *error = "--data " + v + ": expected outliers, sinks or qknorm", false;
-      }
+      data_kind = v;
       data_given = true;
+    } else if (a == "--sparse") {
+      if (!value(&v)) return false;
+      double x;
+      o->sparse.enabled = true;
+      if (v.rfind("topk=", 0) == 0 && ParseDouble(v.substr(5), &x)) {
+        o->sparse.mode = SparseMode::kTopK;
+        o->sparse.topk_ratio = static_cast<float>(x);
+      } else if (v.rfind("tau=", 0) == 0 && ParseDouble(v.substr(4), &x)) {
+        o->sparse.mode = SparseMode::kRelTau;
+        o->sparse.rel_tau = static_cast<float>(x);
+      } else {
+        return *error = "--sparse " + v + ": expected topk=R or tau=T", false;
+      }
+      if (Error e = ValidateSparse(o->sparse); !e.ok()) return *error = "--sparse " + v + ": " + e.message(), false;
+    } else if (a == "--no-tail") {
+      o->sparse.tail = false;
+      sparse_flag = a;
+    } else if (a == "--sink-pages" || a == "--min-exact-pages") {
+      int64_t x;
+      if (!value(&v)) return false;
+      if (!ParseInt(v, &x) || x < 0 || x > kMaxSinkPages) return *error = a + " " + v + ": expected 0..1024", false;
+      (a == "--sink-pages" ? o->sparse.sink_pages : o->sparse.min_exact_pages) = static_cast<int>(x);
+      sparse_flag = a;
+    } else if (a == "--locality") {
+      if (!value(&v)) return false;
+      std::vector<std::string> parts;
+      std::stringstream ss(v);
+      for (std::string p; std::getline(ss, p, ':');) parts.push_back(p);
+      int64_t x[6];
+      bool ok = parts.size() == 6;
+      for (size_t p = 0; ok && p < 6; ++p) ok = ParseInt(parts[p], &x[p]) && x[p] >= (p == 3 ? 0 : 1) && x[p] <= (1 << 20);
+      if (!ok || x[0] * x[1] * x[2] + x[3] > (int64_t{1} << 24)) {
+        return *error = "--locality " + v + ": expected F:Y:X:T:H:d (T >= 0, the rest positive, at most 2^24 tokens)",
+               false;
+      }
+      o->locality = true;
+      cpu::LocalityOptions& l = o->locality_options;
+      l.frames = static_cast<int>(x[0]), l.height = static_cast<int>(x[1]), l.width = static_cast<int>(x[2]);
+      l.text_tokens = x[3], l.n_heads = static_cast<int>(std::min<int64_t>(x[4], 4096));
+      l.head_dim = static_cast<int>(x[5]);
     } else if (a == "--scale") {
       double s;
       if (!value(&v)) return false;
@@ -136,6 +178,7 @@ bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::st
       if (!value(&v)) return false;
       if (!ParseInt(v, &s)) return *error = "--seed " + v + ": expected an integer", false;
       o->synthetic_options.seed = static_cast<uint64_t>(s);
+      o->locality_options.seed = static_cast<uint64_t>(s);
     } else if (a == "--synthetic") {
       if (!value(&v)) return false;
       std::vector<std::string> parts;
@@ -162,6 +205,23 @@ bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::st
       return false;
     }
   }
+  if (!sparse_flag.empty() && !o->sparse.enabled) return *error = sparse_flag + " only applies with --sparse", false;
+  if (o->locality) {
+    if (o->synthetic || !o->q_path.empty() || !o->k_path.empty() || !o->v_path.empty() || queries > 0) {
+      *error = "--locality excludes --synthetic, --q/--k/--v and --queries";
+      return false;
+    }
+    if (data_given && data_kind != "locality" && data_kind != "qknorm" && data_kind != "iid") {
+      return *error = "--data " + data_kind + ": expected locality, qknorm or iid with --locality", false;
+    }
+    o->locality_options.qk_norm = data_kind == "qknorm";
+    o->locality_options.iid = data_kind == "iid";
+    o->locality_options.softmax_scale = o->scale;
+    return true;
+  }
+  if (data_given && !cpu::ParseSyntheticKind(data_kind, &o->synthetic_options.kind)) {
+    return *error = "--data " + data_kind + ": expected outliers, sinks or qknorm", false;
+  }
   if (o->synthetic) {
     if (!o->q_path.empty() || !o->k_path.empty() || !o->v_path.empty()) {
       *error = "--synthetic and --q/--k/--v exclude each other";
@@ -183,7 +243,17 @@ int RunEval(const EvalOptions& o, std::string* json, std::string* error) {
   // Inputs: files or synthetic data, all [N, H, d].
   NpyArray q, k, v;
   int64_t n_q, n_k, heads, d;
-  if (o.synthetic) {
+  if (o.locality) {
+    const int64_t sd = o.locality_options.head_dim;
+    if (sd < kMinHeadDimCpu || sd > kMaxHeadDimCpu || (sd & (sd - 1)) != 0) {
+      *error = "--locality: head_dim " + std::to_string(sd) + " is not supported (a power of two from 16 to 256)";
+      return kExitUsage;
+    }
+    cpu::SyntheticData data = cpu::MakeLocalityData(o.locality_options);
+    n_q = n_k = o.locality_options.Tokens();
+    heads = o.locality_options.n_heads, d = sd;
+    q.data = std::move(data.q), k.data = std::move(data.k), v.data = std::move(data.v);
+  } else if (o.synthetic) {
     const int64_t sd = o.synthetic_options.head_dim;
     if (sd < kMinHeadDimCpu || sd > kMaxHeadDimCpu || (sd & (sd - 1)) != 0) {
       *error = "--synthetic: head_dim " + std::to_string(sd) + " is not supported (a power of two from 16 to 256)";
@@ -236,7 +306,18 @@ int RunEval(const EvalOptions& o, std::string* json, std::string* error) {
                                          shape.head_dim, o.format, o.transforms, attention, cpu::CpuOptions{o.threads},
                                          out.data(), &bits, &record);
   if (!e.ok()) return *error = e.message(), kExitInternal;
-  const cpu::QualityResult r = cpu::CompareOutputs(ref.data(), out.data(), n_q, shape.n_heads, shape.head_dim);
+  const cpu::QualityResult dense = cpu::CompareOutputs(ref.data(), out.data(), n_q, shape.n_heads, shape.head_dim);
+  cpu::QualityResult r = dense;
+  SparseReport report;
+  if (o.sparse.enabled) {
+    AttentionOptions sparse_attention = attention;
+    sparse_attention.sparse = o.sparse;
+    const Error se = cpu::AttendPackedFloat(q.data.data(), n_q, k.data.data(), v.data.data(), n_k, shape.n_heads,
+                                            shape.head_dim, o.format, o.transforms, sparse_attention,
+                                            cpu::CpuOptions{o.threads}, out.data(), nullptr, nullptr, &report);
+    if (!se.ok()) return *error = se.message(), kExitInternal;
+    r = cpu::CompareOutputs(ref.data(), out.data(), n_q, shape.n_heads, shape.head_dim);
+  }
 
   // One JSON object.
   std::ostringstream j;
@@ -246,6 +327,21 @@ int RunEval(const EvalOptions& o, std::string* json, std::string* error) {
     << ", \"choose_per_head\": " << (o.transforms.choose_per_head ? "true" : "false")
     << ", \"scale\": " << Number(o.scale > 0.0f ? o.scale : 1.0 / std::sqrt(static_cast<double>(d)))
     << ", \"n_q\": " << n_q << ", \"n_k\": " << n_k << ", \"n_heads\": " << heads << ", \"head_dim\": " << d;
+  if (o.locality) {
+    const cpu::LocalityOptions& l = o.locality_options;
+    j << ", \"locality\": {\"frames\": " << l.frames << ", \"height\": " << l.height << ", \"width\": " << l.width
+      << ", \"text_tokens\": " << l.text_tokens << ", \"data\": \""
+      << (l.iid ? "iid" : l.qk_norm ? "qknorm" : "locality") << "\", \"seed\": " << l.seed << "}";
+  }
+  if (o.sparse.enabled) {
+    j << ", \"sparse\": {\"" << (o.sparse.mode == SparseMode::kTopK ? "topk_ratio" : "rel_tau") << "\": "
+      << Number(o.sparse.mode == SparseMode::kTopK ? o.sparse.topk_ratio : o.sparse.rel_tau)
+      << ", \"tail\": " << (o.sparse.tail ? "true" : "false") << ", \"sink_pages\": " << o.sparse.sink_pages
+      << ", \"min_exact_pages\": " << o.sparse.min_exact_pages << "}, \"routed_fraction\": "
+      << Number(report.RoutedFraction()) << ", \"exact_pages\": " << report.exact_pages
+      << ", \"pooled_pages\": " << report.pooled_pages << ", \"visible_pages\": " << report.visible_pages
+      << ", \"dense_rel_l2\": " << Number(dense.rel_l2) << ", \"dense_cosine\": " << Number(dense.cosine);
+  }
   if (o.synthetic) {
     j << ", \"synthetic\": {\"data\": \"" << cpu::SyntheticKindName(o.synthetic_options.kind)
       << "\", \"outlier_scale\": " << Number(o.synthetic_options.outlier_scale)

@@ -5,6 +5,15 @@
 //               [--no-balance] [--fixed-transforms] [--scale S] [--threads T]
 //   kvpack-eval --synthetic N:H:d[:outlier_scale] [--data outliers|sinks|qknorm] [--queries M] [--seed S]
 //               [same options]
+//   kvpack-eval --locality F:Y:X:T:H:d [--data locality|qknorm|iid] [--seed S] [same options]
+//   any of them with --sparse topk=R|tau=T [--no-tail] [--sink-pages K] [--min-exact-pages K]
+//
+// --locality: F frames × Y × X grid tokens after T text tokens, H heads of d channels
+// (kernels/cpu/locality_data.h; --data qknorm its QK-normalised variant, iid the data without
+// locality); every token is a query (self-attention). --sparse runs block-sparse attention
+// (kernels/cpu/sparse_attention.h) and adds routed_fraction, exact/pooled pages and the dense packed
+// path's errors (dense_rel_l2, dense_cosine) to the JSON; rel_l2 and cosine are the sparse path's
+// error vs FP64 dense attention.
 //
 // --no-balance switches off both channel balancings (λ of K, λ_v of V); with all three --no-* flags
 // the format is naive per-row quantization. --fixed-transforms turns off the per-head choice
@@ -19,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/locality_data.h"
 #include "kernels/cpu/quality.h"
 
 namespace kvpack::tools {
@@ -31,6 +41,9 @@ struct EvalOptions {
   std::string q_path, k_path, v_path;
   bool synthetic = false;
   cpu::SyntheticOptions synthetic_options;  // n_q defaults to min(N, kDefaultSyntheticQueries)
+  bool locality = false;
+  cpu::LocalityOptions locality_options;
+  SparseOptions sparse;                     // enabled by --sparse
   PageFormat format = PageFormat::kInt4;
   TransformOptions transforms;
   float scale = 0.0f;  // 0: 1/sqrt(d)

@@ -14,7 +14,7 @@ __all__ = ["Client", "LayerOptions", "LayerOutput", "Range", "RegionSlice", "Rop
            "KvpackError", "Cancelled", "DeadlineExceeded", "FailedPrecondition", "InvalidArgument",
            "NotFound", "PermissionDenied", "ResourceExhausted", "Unauthenticated", "Unavailable"]
 
-from kvpack.types import LayerOptions, LayerOutput, Range, RegionSlice, Rope, Weights  # noqa: F401
+from kvpack.types import LayerOptions, LayerOutput, Range, RegionSlice, Rope, Sparse, Weights  # noqa: F401
 from kvpack.errors import (  # noqa: F401
     Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, KvpackError, NotFound,
     PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable)

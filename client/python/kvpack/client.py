@@ -187,11 +187,21 @@ class Client:
             o.qk_norm.eps = options.qk_norm_eps
         o.attention.causal = options.causal
         o.attention.softmax_scale = options.softmax_scale
+        if options.sparse is not None:
+            s = options.sparse
+            if s.rel_tau is not None:
+                o.attention.sparse.rel_tau = s.rel_tau
+            else:
+                o.attention.sparse.topk_ratio = 0.2 if s.topk_ratio is None else s.topk_ratio
+            o.attention.sparse.tail = s.tail
+            o.attention.sparse.sink_pages = s.sink_pages
+            o.attention.sparse.min_exact_pages = s.min_exact_pages
         return pb.LayerHeader(
             shape=pb.LayerShape(n_tokens=n_tokens, hidden=hidden, n_heads=n_heads,
                                 head_dim=head_dim),
             ranges=[pb.TokenRange(begin=r.begin, end=r.end, seq_id=r.seq_id,
-                                  allowed_formats=[_FORMAT[f] for f in r.formats])
+                                  allowed_formats=[_FORMAT[f] for f in r.formats],
+                                  always_attend=r.always_attend, attend_densely=r.attend_densely)
                     for r in ranges],
             options=o, weights_handle=_handle(weights) if weights is not None else "",
             keep_kv=keep_kv, kv_handle=kv_handle, priority=priority)

@@ -2,6 +2,7 @@
 kvpack.v1 messages. Units: tokens, bytes, seconds."""
 
 import dataclasses
+import math
 from typing import Optional, Sequence, Tuple
 
 FORMATS = ("int4", "int8", "bf16")          # packed K/V formats, kernels/format.h
@@ -16,6 +17,10 @@ class Range:
     end: int
     seq_id: int = 0
     formats: Tuple[str, ...] = ("int4",)
+    # Block-sparse attention (LayerOptions.sparse) only: the range's key pages are never pooled
+    # (text, reference, audio conditioning); its queries attend every visible page exactly.
+    always_attend: bool = False
+    attend_densely: bool = False
 
     def __post_init__(self):
         if not 0 <= self.begin < self.end:
@@ -44,12 +49,43 @@ class Rope:
             raise ValueError("axis_dims: 1 to 3 positive even sizes")
 
 
+MAX_SINK_PAGES = 1024             # kernels/layer_spec.h kMaxSinkPages
+MAX_MIN_EXACT_PAGES = 1 << 20     # kMaxMinExactPages
+
+
+@dataclasses.dataclass(frozen=True)
+class Sparse:
+    """Block-sparse attention (docs/api.md "Sparse attention"): per query block of 64 tokens and
+    head, the best key pages by centroid · mean-key score are attended exactly, the other visible
+    pages as one pooled term each. Give topk_ratio in (0, 1] or rel_tau ≥ 0 (neither: top-k 0.2).
+    Runs on the daemon's CPU backend; LayerResult.routed_fraction reports what it routed."""
+    topk_ratio: Optional[float] = None
+    rel_tau: Optional[float] = None
+    tail: bool = True
+    sink_pages: int = 0
+    min_exact_pages: int = 0
+
+    def __post_init__(self):
+        if self.topk_ratio is not None and self.rel_tau is not None:
+            raise ValueError("sparse: give topk_ratio or rel_tau, not both")
+        if self.topk_ratio is not None and not 0.0 < self.topk_ratio <= 1.0:
+            raise ValueError(f"sparse.topk_ratio = {self.topk_ratio} is outside (0, 1]")
+        if self.rel_tau is not None and not (math.isfinite(self.rel_tau) and self.rel_tau >= 0.0):
+            raise ValueError(f"sparse.rel_tau = {self.rel_tau} must be finite and >= 0")
+        if not 0 <= self.sink_pages <= MAX_SINK_PAGES:
+            raise ValueError(f"sparse.sink_pages = {self.sink_pages} is outside [0, {MAX_SINK_PAGES}]")
+        if not 0 <= self.min_exact_pages <= MAX_MIN_EXACT_PAGES:
+            raise ValueError(f"sparse.min_exact_pages = {self.min_exact_pages} is outside "
+                             f"[0, {MAX_MIN_EXACT_PAGES}]")
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerOptions:
     rope: Optional[Rope] = None
     qk_norm_eps: Optional[float] = None     # set when q/k norm weights are registered
     causal: bool = False
     softmax_scale: float = 0.0              # 0: 1/sqrt(head_dim)
+    sparse: Optional[Sparse] = None         # block-sparse attention
 
 
 def whole(n_tokens, formats=("int4",)) -> Sequence[Range]:

@@ -9,7 +9,7 @@ import pytest
 import kvpack
 from fake_daemon import FakeDaemon
 from kvpack import reference, tensors
-from kvpack.types import LayerOptions, Range, RegionSlice, Rope
+from kvpack.types import LayerOptions, Range, RegionSlice, Rope, Sparse
 
 H, D_HEAD, HIDDEN = 2, 16, 24
 
@@ -73,6 +73,35 @@ def test_bias_norm_rope_causal_options_reach_the_daemon(client):
                     positions=pos, rope_layout=reference.ROPE_INTERLEAVED, axis_dims=(8, 6),
                     theta=500.0, causal=True, softmax_scale=0.2)
     np.testing.assert_array_equal(out.output, want)
+
+
+def test_sparse_options_and_range_flags_reach_the_header(client):
+    ranges = [Range(0, 64, always_attend=True), Range(64, 200, attend_densely=True)]
+    opts = LayerOptions(causal=True, sparse=Sparse(topk_ratio=0.3, tail=False, sink_pages=1,
+                                                   min_exact_pages=4))
+    h = client.layer_header(n_tokens=200, hidden=HIDDEN, n_heads=H, head_dim=D_HEAD,
+                            ranges=ranges, options=opts)
+    s = h.options.attention.sparse
+    assert h.options.attention.HasField("sparse") and s.WhichOneof("routing") == "topk_ratio"
+    assert abs(s.topk_ratio - 0.3) < 1e-7 and s.HasField("tail") and not s.tail
+    assert (s.sink_pages, s.min_exact_pages) == (1, 4)
+    assert h.ranges[0].always_attend and not h.ranges[0].attend_densely
+    assert h.ranges[1].attend_densely
+    tau = client.layer_header(n_tokens=200, hidden=HIDDEN, n_heads=H, head_dim=D_HEAD,
+                              ranges=ranges, options=LayerOptions(sparse=Sparse(rel_tau=1.5)))
+    assert tau.options.attention.sparse.WhichOneof("routing") == "rel_tau"
+    assert tau.options.attention.sparse.tail
+    default = client.layer_header(n_tokens=200, hidden=HIDDEN, n_heads=H, head_dim=D_HEAD,
+                                  ranges=ranges, options=LayerOptions(sparse=Sparse()))
+    assert abs(default.options.attention.sparse.topk_ratio - 0.2) < 1e-7
+    dense = client.layer_header(n_tokens=200, hidden=HIDDEN, n_heads=H, head_dim=D_HEAD,
+                                ranges=[Range(0, 200)])
+    assert not dense.options.attention.HasField("sparse")
+    for bad in (dict(topk_ratio=0.0), dict(topk_ratio=1.5), dict(rel_tau=-1.0),
+                dict(rel_tau=float("nan")), dict(topk_ratio=0.2, rel_tau=1.0),
+                dict(sink_pages=2000), dict(min_exact_pages=-1)):
+        with pytest.raises(ValueError):
+            Sparse(**bad)
 
 
 def test_project_attend_release(client):

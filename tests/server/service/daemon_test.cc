@@ -384,6 +384,57 @@ TEST_F(DaemonTest, InPlaceOutputStreamsBack) {
   EXPECT_TRUE(out == *ref);
 }
 
+// Block-sparse attention on the CPU backend: with every page routed the output is the dense one;
+// at top-k 20% the result reports its routed fraction (within the plan's bound), the plan its
+// routing bytes, and the metrics one observation per sparse request.
+TEST_F(DaemonTest, SparseAttentionReportsItsRoutedFraction) {
+  auto c = daemon_.Connect();
+  client::SyntheticSpec spec = SmallSpec(5);
+  spec.n_tokens = 1000;
+  spec.ranges = {{64, 0, {v1::FORMAT_BF16}}, {936, 0, {v1::FORMAT_INT4}}};
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(spec);
+  absl::StatusOr<v1::WeightsResponse> w = c->RegisterWeights(WeightsOf(L));
+  ASSERT_TRUE(w.ok()) << w.status();
+  v1::LayerHeader h = L.header;
+  h.set_weights_handle(w->handle());
+  std::vector<uint16_t> dense, full, sparse;
+  absl::StatusOr<v1::LayerResult> r = c->AttentionLayer(h, DataOf(L, &dense));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->routed_fraction(), 0.0);
+  EXPECT_EQ(r->plan().routing_bytes(), 0u);
+  const uint64_t dense_workspace = r->plan().workspace_bytes();
+
+  h.mutable_options()->mutable_attention()->mutable_sparse()->set_topk_ratio(1.0f);
+  r = c->AttentionLayer(h, DataOf(L, &full));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(full, dense);
+  EXPECT_EQ(r->routed_fraction(), 1.0);
+
+  h.mutable_options()->mutable_attention()->mutable_sparse()->set_topk_ratio(0.2f);
+  h.mutable_ranges(0)->set_always_attend(true);
+  h.set_keep_kv(true);
+  r = c->AttentionLayer(h, DataOf(L, &sparse));
+  ASSERT_TRUE(r.ok()) << r.status();
+  // Attend over the kept entry routes the same pages (statistics come from the pages).
+  v1::LayerHeader ah = h;
+  ah.set_keep_kv(false);
+  ah.set_kv_handle(r->kv_handle());
+  std::vector<uint16_t> attended;
+  absl::StatusOr<v1::LayerResult> a = c->Attend(ah, DataOf(L, &attended));
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(attended, sparse);
+  EXPECT_EQ(a->routed_fraction(), r->routed_fraction());
+  ASSERT_TRUE(c->ReleaseKv(r->kv_handle()).ok());
+  EXPECT_GT(r->routed_fraction(), 0.0);
+  EXPECT_LT(r->routed_fraction(), 1.0);
+  EXPECT_LE(r->routed_fraction(), r->plan().routed_fraction_bound());
+  EXPECT_GT(r->plan().routing_bytes(), 0u);
+  EXPECT_GE(r->plan().workspace_bytes(), dense_workspace);
+  EXPECT_NE(sparse, dense);
+  EXPECT_EQ(r->peak_bytes(), r->plan().predicted_peak_bytes());
+  EXPECT_EQ(Sample(daemon_.Metrics(), "kvpack_sparse_routed_fraction_count"), 3.0);
+}
+
 TEST_F(DaemonTest, MetricsMatchStatus) {
   auto c = daemon_.Connect();
   const client::SyntheticLayer L = client::MakeSyntheticLayer(SmallSpec(9));

@@ -41,10 +41,10 @@ class FakeDeviceBackend final : public Backend {
     return s;
   }
   absl::Status AttendLayer(const LayerConfig& c, const LayerTensors& t, const uint8_t* kv, uint8_t* ws,
-                           const ChunkGate& gate) override {
+                           const ChunkGate& gate, SparseReport* sparse_report) override {
     last_out = t.out;
     bool in_chunk = false;
-    absl::Status s = cpu_->AttendLayer(c, t, kv, ws, Counted(gate, &in_chunk));
+    absl::Status s = cpu_->AttendLayer(c, t, kv, ws, Counted(gate, &in_chunk), sparse_report);
     EndChunk(&in_chunk);
     return s;
   }

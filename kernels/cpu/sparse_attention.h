@@ -1,0 +1,96 @@
+// Block-sparse attention over a packed entry, on the CPU: the exact reference of the sparse path
+// (issue 13; Sol-style routing adapted to the stored domain). Same entry, same tiles, same page
+// decode and online softmax as the dense path (attention.h's TileState hook).
+//
+// Page statistics, per (head, page), in the stored (rotated, smoothed, balanced) domain, from the
+// DECODED rows (what the kernels read, so routing needs no other copy of K):
+//   mean_k[h, p, :] = (1/n) Σ_j k̂_j     v_sum[h, p, :] = Σ_j v̂_j      n = PageDesc::n_valid
+// Sums in double in slot order, rounded to float once. 8·d bytes per (page, head) (1 KiB at
+// d = 128, 12% of an INT4 K+V page pair); the token count is the page descriptor's n_valid.
+//
+// Query blocks: consecutive queries, cut at 64, where the sequence id changes and where the key page
+// holding the query's position changes — in the layer (query t at position t) a block is exactly the
+// queries of one page. Per (block, head):
+//   centroid c = mean of the block's stored queries q̂ (double, rounded to float)
+//   score s_p  = scale · c · mean_k[p] (double dot, rounded) for every page p the block sees
+//                (Visibility::PageVisibleToRun with the block's last position)
+//   exact      = top-k: the ceil(topk_ratio · V) best scores (at least 1; V visible pages), or
+//                rel-tau: every page with s_p ≥ max s − rel_tau · std s (population std over V)
+//              ∪ always: the diagonal pages (those holding the block's positions) and their ±1
+//                neighbours in entry order, the first sink_pages visible pages, pages of ranges
+//                marked always_attend, every visible page when the block's range attends densely,
+//                and every page the block sees only in part (PageFullyVisibleToBlock false)
+//              ∪ floor: the best remaining pages until min(min_exact_pages, V) are exact
+//   pooled     = every other visible page (tail on); dropped (tail off)
+// Ties in score go to the lower page index. A page seen only in part is scored +inf (it ranks first
+// and takes a top-k place): its mean holds keys the block must not see, which must not move the
+// routing of any other page (so keys hidden by causality or sequence never change a result). Exact pages are folded with FoldPage in ascending order,
+// so with every page exact (topk_ratio 1) the result is bit-identical to AttendFloat. A pooled page
+// adds, for query i, s = scale · q̂_i · mean_k[p] with weight n: ℓ += n·e^(s−m), acc += e^(s−m)·v_sum
+// (= n tokens of logit s and value v_sum/n), so every visible token stays in the denominator.
+// The routed fraction of a call is Σ exact / Σ visible over its (block, head) pairs.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/layer.h"
+#include "kernels/cpu/pack.h"
+#include "kernels/layer_spec.h"
+#include "kernels/visibility.h"
+
+namespace kvpack::cpu {
+
+inline constexpr int kQueryBlock = kPageTokens;
+
+// Bytes of the page statistics of an entry (mean_k and v_sum, float [H, P, d] each).
+uint64_t PageStatsBytes(int n_heads, int head_dim, int n_pages);
+
+// The page statistics of an entry, in caller memory: [H, P, d] floats each.
+struct PageStatsView {
+  const float* mean_k = nullptr;
+  const float* v_sum = nullptr;
+};
+
+// Per-range flags the routing reads, indexed by PageDesc::range_index.
+inline constexpr uint8_t kRangeAlwaysAttend = 1;
+inline constexpr uint8_t kRangeAttendDensely = 2;
+std::vector<uint8_t> RangeFlags(const std::vector<TokenRange>& ranges);
+
+// Index one past the last query of the block starting at `first` (rules at the top of this file).
+int64_t QueryBlockEnd(const KvEntryView& kv, const int32_t* seq_ids, const int64_t* positions, int64_t n_q,
+                      int64_t first);
+
+// Queries first..first+n−1 of head `head` of q ([n_q, H, d], un-transformed) in stored form into
+// stored[n, d] (ToStoredQ, as AttendFloat does), and their mean (double sums, rounded) into centroid[d].
+void StoredBlockQueries(const KvEntryView& kv, int head, const float* q, int64_t first, int n, float* stored,
+                        float* centroid);
+
+// Scratch of one RoutePages call: scores float[P], order int32[P], mark uint8[P].
+struct RouteScratch {
+  float* scores = nullptr;
+  int32_t* order = nullptr;
+  uint8_t* mark = nullptr;
+};
+
+// Routes one (block, head). `centroid` is the block's mean stored query (d floats); the block's
+// queries are of sequence `seq` at positions first_pos..last_pos (first_pos its first query's).
+// Writes the exact pages to exact[0..*n_exact) and the pooled ones to pooled[0..*n_pooled), each
+// ascending (both buffers kv.n_pages long), and adds to *report.
+void RoutePages(const KvEntryView& kv, const PageStatsView& stats, int head, const float* centroid, int32_t seq,
+                int64_t first_pos, int64_t last_pos, const AttentionOptions& attention, float scale,
+                const std::vector<uint8_t>& range_flags, const RouteScratch& scratch, int32_t* exact, int* n_exact,
+                int32_t* pooled, int* n_pooled, SparseReport* report);
+
+// Attention of a tile (all of one block) over a routing; out as AttendTile.
+void AttendTileRouted(const KvEntryView& kv, const PageStatsView& stats, int head, const QueryTile& tile, bool causal,
+                      float scale, const RoutedPages& routed, float* out);
+
+// AttendFloat with attention.sparse (which must be enabled and valid): statistics, routing and the
+// exact stage; `ranges` give the per-range flags (may be empty: none set). *report may be null.
+Error SparseAttendFloat(const KvEntryView& kv, const QueryBlock& queries, const AttentionOptions& attention,
+                        const std::vector<TokenRange>& ranges, float* out, const CpuOptions& options,
+                        SparseReport* report);
+
+}  // namespace kvpack::cpu
