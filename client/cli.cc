@@ -36,6 +36,7 @@ commands:
 layer flags: --tokens N (1000) --hidden D (256) --heads H (4) --head_dim d (64)
   --ranges "LEN:FMT|FMT[@SEQ],..." (one range, int8|int4) --causal --rope --qk_norm --bias --seed S
   --priority P --keep_kv
+  --mma auto|bf16|int8 (tensor-core arithmetic of the attention)
   --sparse topk=R|tau=T (block-sparse attention) --no_tail --sink_pages K --min_exact_pages K
 bench flags: --iterations N (8) --concurrency C (1) --transfer_mib M (inline upload GB/s)
   --rpc plan|status (round-trip latency of Plan for the layer flags, or of Status)
@@ -108,6 +109,12 @@ bool ParseArgs(int argc, char** argv, Args* a, std::string* error) {
     else if (name == "seed") num(&a->spec.seed);
     else if (name == "ranges") a->ranges = value;
     else if (name == "causal") a->spec.causal = true;
+    else if (name == "mma") {
+      if (value == "auto") a->spec.mma = MmaPath::kAuto;
+      else if (value == "bf16") a->spec.mma = MmaPath::kBf16;
+      else if (value == "int8") a->spec.mma = MmaPath::kInt8;
+      else ok = false;
+    }
     else if (name == "rope") a->spec.rope = true;
     else if (name == "qk_norm") a->spec.qk_norm = true;
     else if (name == "bias") a->spec.bias = true;

@@ -110,6 +110,10 @@ SyntheticLayer MakeSyntheticLayer(const SyntheticSpec& spec_in) {
   }
   v1::LayerOptions* o = h.mutable_options();
   o->mutable_attention()->set_causal(spec.causal);
+  static_assert(static_cast<int>(MmaPath::kBf16) == v1::AttentionOptions::MMA_BF16 &&
+                    static_cast<int>(MmaPath::kInt8) == v1::AttentionOptions::MMA_INT8,
+                "MmaPath numbers the proto's Mma");
+  o->mutable_attention()->set_mma(static_cast<v1::AttentionOptions::Mma>(spec.mma));
   if (spec.sparse.enabled) {
     v1::SparseOptions* s = o->mutable_attention()->mutable_sparse();
     if (spec.sparse.mode == SparseMode::kRelTau) {
@@ -164,6 +168,7 @@ absl::StatusOr<std::vector<uint16_t>> ReferenceOutput(const SyntheticLayer& L, c
   config.qk_norm.enabled = spec.qk_norm;
   config.qk_norm.weight_len = spec.qk_norm ? spec.head_dim : 0;
   config.attention.causal = spec.causal;
+  config.attention.mma = spec.mma;
   config.attention.sparse = spec.sparse;
   config.has_bias = spec.bias;
   config.transforms.choose_per_head = choose_per_head;

@@ -27,6 +27,7 @@ struct SyntheticSpec {
   int head_dim = 64;
   std::vector<SyntheticRange> ranges;  // empty: one range of every token, int8 then int4
   bool causal = false;
+  MmaPath mma = MmaPath::kAuto;  // --mma auto|bf16|int8
   bool rope = false;         // 1-axis split-halves RoPE over all channels
   bool qk_norm = false;
   SparseOptions sparse;      // block-sparse attention when enabled (header and reference)

@@ -147,6 +147,14 @@ absl::StatusOr<LayerRequest> LayerRequestFromProto(const v1::LayerHeader& header
     return absl::InvalidArgumentError("header.options.attention.softmax_scale must be finite and not negative");
   }
   if (absl::Status s = SparseFromProto(options.attention(), &r.attention.sparse); !s.ok()) return s;
+  switch (options.attention().mma()) {
+    case v1::AttentionOptions::MMA_AUTO: r.attention.mma = MmaPath::kAuto; break;
+    case v1::AttentionOptions::MMA_BF16: r.attention.mma = MmaPath::kBf16; break;
+    case v1::AttentionOptions::MMA_INT8: r.attention.mma = MmaPath::kInt8; break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("header.options.attention.mma = ", options.attention().mma(), " is not known"));
+  }
   r.has_bias = has_bias;
   r.in_place = header.output().mode() == v1::OUTPUT_IN_PLACE;
   if (header.input_case() == v1::LayerHeader::kProjected) {

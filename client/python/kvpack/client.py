@@ -34,6 +34,8 @@ _FORMAT = {"int4": pb.FORMAT_INT4, "int8": pb.FORMAT_INT8, "bf16": pb.FORMAT_BF1
 _FORMAT_NAME = {v: k for k, v in _FORMAT.items()}
 _ROPE = {"interleaved": pb.RopeOptions.LAYOUT_INTERLEAVED,
          "split_halves": pb.RopeOptions.LAYOUT_SPLIT_HALVES}
+_MMA = {"auto": pb.AttentionOptions.MMA_AUTO, "bf16": pb.AttentionOptions.MMA_BF16,
+        "int8": pb.AttentionOptions.MMA_INT8}
 
 
 def format_name(value):
@@ -187,6 +189,7 @@ class Client:
             o.qk_norm.eps = options.qk_norm_eps
         o.attention.causal = options.causal
         o.attention.softmax_scale = options.softmax_scale
+        o.attention.mma = _MMA[options.mma]
         if options.sparse is not None:
             s = options.sparse
             if s.rel_tau is not None:

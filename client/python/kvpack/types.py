@@ -86,6 +86,11 @@ class LayerOptions:
     causal: bool = False
     softmax_scale: float = 0.0              # 0: 1/sqrt(head_dim)
     sparse: Optional[Sparse] = None         # block-sparse attention
+    mma: str = "auto"                       # "auto" | "bf16" | "int8" (tensor-core arithmetic)
+
+    def __post_init__(self):
+        if self.mma not in ("auto", "bf16", "int8"):
+            raise ValueError(f"mma = {self.mma!r}: 'auto', 'bf16' or 'int8'")
 
 
 def whole(n_tokens, formats=("int4",)) -> Sequence[Range]:

@@ -188,6 +188,11 @@ TEST_F(MalformedTest, LayerRequests) {
       {"negative softmax scale",
        [&](M* m) { header(m)->mutable_options()->mutable_attention()->set_softmax_scale(-1); },
        grpc::StatusCode::INVALID_ARGUMENT, "softmax_scale"},
+      {"unknown mma path",
+       [&](M* m) {
+         header(m)->mutable_options()->mutable_attention()->set_mma(static_cast<v1::AttentionOptions::Mma>(99));
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "attention.mma"},
       {"too big for the budget",
        [&](M* m) {
          header(m)->mutable_shape()->set_n_tokens(4000000);
