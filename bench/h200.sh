@@ -176,8 +176,10 @@ run_daemon() {
   curl -s http://127.0.0.1:9464/metrics | grep -E '^kvpack_(pool|gpu|requests_total)' >"$LOGS/metrics.txt"
   kill -TERM $pid; wait $pid
   say "kvpackd exit $? after SIGTERM"
+  local direct="$B/bin/bench_layer"  # or the kernels mode's build of it, in the same call
+  [[ -x "$direct" ]] || direct=/tmp/kb-new/bench/bench_layer
   for args in "${cases[@]}"; do
-    "$B/bin/bench_layer" --hidden=7168 --heads=56 --dim=128 --format=int4 --reps=2 --gemm=0 $args \
+    "$direct" --hidden=7168 --heads=56 --dim=128 --format=int4 --reps=2 --gemm=0 $args \
       2>>"$LOGS/direct.err" | tee -a "$OUT/direct.jsonl"
   done
   if [[ -n "${WHEELS:-}" ]]; then
