@@ -70,7 +70,7 @@ run_kernels() {
   cp /tmp/kb-*.log "$LOGS/" 2>/dev/null
   for t in new ${BASE:+base}; do
     say "[$t] ptxas: $(grep -A2 -E 'Attention(Sm90|Wgmma)Kernel' /tmp/kb-$t.log | grep -oE '[0-9]+ bytes spill stores|Used [0-9]+ registers' | sort | uniq -c | tr '\n' ' ')"
-    local obj; obj=$(ls /tmp/kb-$t/kernels/cuda/CMakeFiles/kvpack_cuda.dir/attention_{sm90,wgmma}.cu.o 2>/dev/null | head -1)
+    local obj; obj=$(ls /tmp/kb-$t/kernels/cuda/CMakeFiles/kvpack_cuda{_sm90,}.dir/attention_{sm90,wgmma}.cu.o 2>/dev/null | head -1)
     [[ -n "$obj" ]] && say "[$t] sm90 SASS: $(sass_counts "$obj")"
   done
   for t in new ${BASE:+base}; do

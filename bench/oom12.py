@@ -190,7 +190,7 @@ def parse_args():
     ap.add_argument("--held_on_top", action="store_true", help="held is other tensors on top of x and W")
     ap.add_argument("--modes", default="mixed,int4,int8,bf16")
     ap.add_argument("--kvpackd", default=os.environ.get("KVPACKD"))
-    ap.add_argument("--budget", default="0.95",
+    ap.add_argument("--budget", default="0.99",
                     help="kvpackd --vram_budget: a fraction of the free memory it finds at start, or bytes")
     ap.add_argument("--rows", type=int, default=1024, help="sampled query rows for the error")
     ap.add_argument("--heads", type=int, default=4, help="sampled heads for the error")
