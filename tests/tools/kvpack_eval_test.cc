@@ -108,6 +108,23 @@ TEST_F(KvpackEval, SyntheticModeNeedsNoFiles) {
   EXPECT_GT(JsonNumber(r.out, "cosine"), 0.99);
 }
 
+// --mma int8 names the path and its own error against the exact path over the same pages: within
+// issue 12's bound for INT8 pages (mma_rel_l2 ≤ 0.005); the bf16 path's own error is 0 by definition.
+constexpr double kInt8PagesMmaRelL2 = 5e-3;
+TEST_F(KvpackEval, MmaPathAndItsOwnError) {
+  const ExecResult q = Exec("--synthetic 600:2:128 --queries 64 --seed 3 --format int8 --mma int8");
+  ASSERT_EQ(q.code, 0) << q.out;
+  EXPECT_NE(q.out.find("\"mma\": \"int8\""), std::string::npos) << q.out;
+  EXPECT_GT(JsonNumber(q.out, "mma_rel_l2"), 0.0);
+  EXPECT_LT(JsonNumber(q.out, "mma_rel_l2"), kInt8PagesMmaRelL2);
+  const ExecResult b = Exec("--synthetic 600:2:128 --queries 64 --seed 3 --format int8 --mma bf16");
+  ASSERT_EQ(b.code, 0) << b.out;
+  EXPECT_NE(b.out.find("\"mma\": \"bf16\""), std::string::npos) << b.out;
+  EXPECT_EQ(JsonNumber(b.out, "mma_rel_l2"), 0.0);
+  const ExecResult bf16_pages = Exec("--synthetic 600:2:128 --queries 64 --seed 3 --format bf16 --mma int8");
+  EXPECT_NE(bf16_pages.out.find("\"mma\": \"bf16\""), std::string::npos) << "BF16 pages keep bf16 MMAs";
+}
+
 TEST_F(KvpackEval, ReportsTheWorstHeadAndTheChoice) {
   const ExecResult r = Exec("--synthetic 300:4:32:2 --data sinks --queries 40 --seed 5 --format int4");
   ASSERT_EQ(r.code, 0) << r.out;

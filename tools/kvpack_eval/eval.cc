@@ -82,7 +82,10 @@ const char kEvalUsage[] =
     "gives every head all allowed transforms instead of the per-head choice. --data picks the synthetic kind.\n"
     "       kvpack-eval --locality F:Y:X:T:H:d [--data locality|qknorm|iid] [--seed S] [same options]\n"
     "Any of them with --sparse topk=R|tau=T [--no-tail] [--sink-pages K] [--min-exact-pages K]: block-sparse\n"
-    "attention; the JSON adds routed_fraction and the dense packed path's dense_rel_l2 and dense_cosine.\n";
+    "attention; the JSON adds routed_fraction and the dense packed path's dense_rel_l2 and dense_cosine.\n"
+    "--mma auto|bf16|int8: the tensor-core arithmetic (kernels/mma_path.h; auto as the daemon resolves it);\n"
+    "the JSON names the path run (mma) and its own error, mma_rel_l2: its output vs the exact (fp32) attention\n"
+    "over the same pages (0 on the bf16 path).\n";
 
 bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::string* error) {
   int64_t queries = -1;
@@ -108,6 +111,12 @@ bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::st
       else if (v == "int8") o->format = PageFormat::kInt8;
       else if (v == "bf16") o->format = PageFormat::kBf16;
       else return *error = "--format " + v + ": expected int4, int8 or bf16", false;
+    } else if (a == "--mma") {
+      if (!value(&v)) return false;
+      if (v == "auto") o->mma = MmaPath::kAuto;
+      else if (v == "bf16") o->mma = MmaPath::kBf16;
+      else if (v == "int8") o->mma = MmaPath::kInt8;
+      else return *error = "--mma " + v + ": expected auto, bf16 or int8", false;
     } else if (a == "--no-rotate") {
       o->transforms.rotate = false;
     } else if (a == "--no-smooth") {
@@ -293,6 +302,8 @@ int RunEval(const EvalOptions& o, std::string* json, std::string* error) {
   // Reference and packed attention.
   AttentionOptions attention;
   attention.softmax_scale = o.scale;
+  attention.mma = o.mma;
+  const MmaPath mma = ResolveMmaPath(o.mma, o.format == PageFormat::kBf16, shape.head_dim, o.transforms.rotate);
   cpu::QueryBlock queries;
   queries.q = q.data.data();
   queries.n_q = n_q;
@@ -307,6 +318,19 @@ int RunEval(const EvalOptions& o, std::string* json, std::string* error) {
                                          out.data(), &bits, &record);
   if (!e.ok()) return *error = e.message(), kExitInternal;
   const cpu::QualityResult dense = cpu::CompareOutputs(ref.data(), out.data(), n_q, shape.n_heads, shape.head_dim);
+  // The MMA path's own error: its output against the exact (fp32, bf16-MMA) path over the same pages.
+  double mma_rel_l2 = 0.0;
+  if (mma != MmaPath::kBf16) {
+    AttentionOptions exact_attention = attention;
+    exact_attention.mma = MmaPath::kBf16;
+    std::vector<float> exact(q.data.size());
+    const Error xe = cpu::AttendPackedFloat(q.data.data(), n_q, k.data.data(), v.data.data(), n_k, shape.n_heads,
+                                            shape.head_dim, o.format, o.transforms, exact_attention,
+                                            cpu::CpuOptions{o.threads}, exact.data(), nullptr, nullptr);
+    if (!xe.ok()) return *error = xe.message(), kExitInternal;
+    const std::vector<double> exact_d(exact.begin(), exact.end());
+    mma_rel_l2 = cpu::CompareOutputs(exact_d.data(), out.data(), n_q, shape.n_heads, shape.head_dim).rel_l2;
+  }
   cpu::QualityResult r = dense;
   SparseReport report;
   if (o.sparse.enabled) {
@@ -347,6 +371,7 @@ int RunEval(const EvalOptions& o, std::string* json, std::string* error) {
       << "\", \"outlier_scale\": " << Number(o.synthetic_options.outlier_scale)
       << ", \"seed\": " << o.synthetic_options.seed << "}";
   }
+  j << ", \"mma\": \"" << MmaPathName(mma) << "\", \"mma_rel_l2\": " << Number(mma_rel_l2);
   j << ", \"bits_per_value\": " << Number(bits) << ", \"rel_l2\": " << Number(r.rel_l2)
     << ", \"cosine\": " << Number(r.cosine) << ", \"worst_head\": " << r.worst_head
     << ", \"worst_head_cosine\": " << Number(r.worst_head_cosine)

@@ -45,6 +45,7 @@ struct EvalOptions {
   cpu::LocalityOptions locality_options;
   SparseOptions sparse;                     // enabled by --sparse
   PageFormat format = PageFormat::kInt4;
+  MmaPath mma = MmaPath::kAuto;             // --mma auto|bf16|int8 (mma_path.h)
   TransformOptions transforms;
   float scale = 0.0f;  // 0: 1/sqrt(d)
   int threads = 0;
