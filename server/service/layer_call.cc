@@ -484,6 +484,7 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
       EstimateToProto(job_->estimate, result->mutable_estimated_rel_error());
     }
     PlanToProto(job_->plan, result->mutable_plan());
+    result->mutable_plan()->set_mma(MmaPathName(service_->engine().backend().ResolvedMma(job_->plan.config)));
     result->set_kv_handle(job_->kv_handle);
     result->set_peak_bytes(job_->peak_bytes);
     result->set_routed_fraction(job_->sparse_report.RoutedFraction());

@@ -119,6 +119,7 @@ absl::Status PlanCall(Engine& engine, const std::string& tenant, const ServiceLi
   response->set_fits(plan->fits);
   response->set_reason(plan->reason);
   PlanToProto(*plan, response->mutable_plan());
+  response->mutable_plan()->set_mma(MmaPathName(engine.backend().ResolvedMma(plan->config)));
   if (layer->estimate.present) EstimateToProto(layer->estimate, response->mutable_plan()->mutable_estimated_rel_error());
   return absl::OkStatus();
 }

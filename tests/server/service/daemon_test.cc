@@ -51,6 +51,21 @@ TEST_F(DaemonTest, HealthStatusAndPlan) {
   EXPECT_EQ(p->plan().ranges(1).format(), v1::FORMAT_INT8);
   EXPECT_EQ(p->plan().projection_chunk(), 300);
   EXPECT_EQ(p->plan().predicted_peak_bytes(), p->plan().kv_bytes() + p->plan().workspace_bytes());
+  EXPECT_EQ(p->plan().mma(), "bf16");  // a BF16 range keeps the layer on bf16 MMAs
+  {  // INT4/INT8 ranges only: INT8 S asked for, and what auto resolves to at this head_dim (64: bf16)
+    v1::PlanRequest int8 = req;
+    for (int i = 0; i < int8.header().ranges_size(); ++i) {
+      int8.mutable_header()->mutable_ranges(i)->clear_allowed_formats();
+      int8.mutable_header()->mutable_ranges(i)->add_allowed_formats(v1::FORMAT_INT4);
+    }
+    absl::StatusOr<v1::PlanResponse> a = c->Plan(int8);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(a->plan().mma(), "bf16");  // auto at head_dim 64
+    int8.mutable_header()->mutable_options()->mutable_attention()->set_mma(v1::AttentionOptions::MMA_INT8);
+    a = c->Plan(int8);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(a->plan().mma(), "int8");
+  }
 
   // Too small a budget for the floor: fits = false with the numbers, not an error.
   req.mutable_header()->mutable_shape()->set_n_tokens(3000000);
