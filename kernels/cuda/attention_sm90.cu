@@ -191,7 +191,9 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           uint8_t* k_tile = smem + T::kKOffset + s * T::kKTileBytes;
           uint8_t* v_tile = smem + T::kVOffset + s * T::kTileBytes;
           float2* keys = reinterpret_cast<float2*>(key_table[s]);
-          if constexpr (kInt8Qk) {
+          if constexpr (kSm90Experiment == Sm90Experiment::kNoDecode) {  // timing only: the key table alone
+            if (tid < kPageTokens) keys[tid] = make_float2(scale_log2, 0.0f);
+          } else if constexpr (kInt8Qk) {
             DecodePageInt8Qk<kDim>(page, raw + st * stage_bytes, p.max_page_bytes, k_tile, v_tile, keys, scale_log2,
                                    exponent, tid);
           } else {
@@ -327,7 +329,8 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           for (int n = 0; n < 8; ++n) {
 #pragma unroll
             for (int e = 2 * r; e < 2 * r + 2; ++e) {
-              const float w = Exp2Ftz(fmaf(AsFloat(sc[n][e]), row_scale[r], -m_use));
+              const float arg = fmaf(AsFloat(sc[n][e]), row_scale[r], -m_use);
+              const float w = kSm90Experiment == Sm90Experiment::kNoExp ? arg : Exp2Ftz(arg);  // noexp: timing only
               SetFloat(sc[n][e], w);
               row_sum[r] += w;
             }
@@ -384,13 +387,13 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         FenceRegs(sc);
         softmax(sc, keys, 0, corr);
         pack_p(sc);
-        if (consumer == 1) BarArrive(T::kTurnBar, 2 * 128);  // group 0 issues first
+        if (T::kPingPong && consumer == 1) BarArrive(T::kTurnBar, 2 * 128);  // group 0 issues first
         for (int i = 0; i < n_visible; ++i) {
           const bool more = i + 1 < n_visible;
-          BarSync(turn, 2 * 128);
+          if (T::kPingPong) BarSync(turn, 2 * 128);
           issue_s(sc, more ? i + 1 : i, more);
           issue_pv(i);
-          if (consumer == 0 || more) BarArrive(other_turn, 2 * 128);
+          if (T::kPingPong && (consumer == 0 || more)) BarArrive(other_turn, 2 * 128);
           load_keys(keys, more ? i + 1 : i);
           WgmmaWait<1>();
           FenceRegs(sc);
