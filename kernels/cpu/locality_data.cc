@@ -66,32 +66,6 @@ void RmsNormRows(std::vector<float>* rows, int64_t n, int heads, int h, int d, c
   }
 }
 
-// Scales head h's q rows so that the mean over sampled queries of the std over sampled keys of
-// scale·q·k is kLocalityLogitStd.
-void Calibrate(SyntheticData* data, int64_t n, int heads, int h, int d, double scale) {
-  const int64_t nq = std::min(n, kCalibrationQueries), nk = std::min(n, kCalibrationKeys);
-  double mean_std = 0.0;
-  for (int64_t i = 0; i < nq; ++i) {
-    const float* q = data->q.data() + ((i * n / nq) * heads + h) * d;
-    double s1 = 0.0, s2 = 0.0;
-    for (int64_t j = 0; j < nk; ++j) {
-      const float* k = data->k.data() + ((j * n / nk) * heads + h) * d;
-      double s = 0.0;
-      for (int c = 0; c < d; ++c) s += static_cast<double>(q[c]) * k[c];
-      s *= scale;
-      s1 += s;
-      s2 += s * s;
-    }
-    const double mean = s1 / nk;
-    mean_std += std::sqrt(std::max(s2 / nk - mean * mean, 0.0));
-  }
-  mean_std /= std::max<int64_t>(nq, 1);
-  const double g = mean_std > 0.0 ? kLocalityLogitStd / mean_std : 1.0;
-  for (int64_t t = 0; t < n; ++t) {
-    float* row = data->q.data() + (t * heads + h) * d;
-    for (int c = 0; c < d; ++c) row[c] = static_cast<float>(row[c] * g);
-  }
-}
 
 }  // namespace
 
@@ -146,7 +120,7 @@ SyntheticData MakeLocalityData(const LocalityOptions& o) {
       RmsNormRows(&data.q, n, heads, h, d, gain_q);
       RmsNormRows(&data.k, n, heads, h, d, gain_k);
     }
-    Calibrate(&data, n, heads, h, d, scale);
+    CalibrateLogitStd(&data, n, n, heads, h, d, scale, kLocalityLogitStd, kCalibrationQueries, kCalibrationKeys);
   }
   return data;
 }

@@ -75,31 +75,8 @@ double Norm(const std::vector<double>& x) {
 // Scales q rows of head h so that the mean over sampled queries of the std over sampled keys of
 // scale·q·k is kLogitStd (a temperature typical of trained heads).
 void CalibrateTemperature(const SyntheticOptions& o, int h, double scale, SyntheticData* data) {
-  const int heads = o.n_heads;
-  const int d = o.head_dim;
-  const int64_t nq = std::min<int64_t>(o.n_q, kCalibrationQueries);
-  const int64_t nk = std::min<int64_t>(o.n_k, kCalibrationKeys);
-  double mean_std = 0.0;
-  for (int64_t i = 0; i < nq; ++i) {
-    const float* q = data->q.data() + ((i * o.n_q / nq) * heads + h) * d;
-    double s1 = 0.0, s2 = 0.0;
-    for (int64_t j = 0; j < nk; ++j) {
-      const float* k = data->k.data() + ((j * o.n_k / nk) * heads + h) * d;
-      double s = 0.0;
-      for (int c = 0; c < d; ++c) s += static_cast<double>(q[c]) * k[c];
-      s *= scale;
-      s1 += s;
-      s2 += s * s;
-    }
-    const double mean = s1 / nk;
-    mean_std += std::sqrt(std::max(s2 / nk - mean * mean, 0.0));
-  }
-  mean_std /= std::max<int64_t>(nq, 1);
-  const double g = mean_std > 0.0 ? kLogitStd / mean_std : 1.0;
-  for (int64_t t = 0; t < o.n_q; ++t) {
-    float* row = data->q.data() + (t * heads + h) * d;
-    for (int c = 0; c < d; ++c) row[c] = static_cast<float>(row[c] * g);
-  }
+  CalibrateLogitStd(data, o.n_q, o.n_k, o.n_heads, h, o.head_dim, scale, kLogitStd, kCalibrationQueries,
+                    kCalibrationKeys);
 }
 
 // The kSinks edit of head h (quality.h): sink keys that take `mass` of every query's attention,
@@ -306,6 +283,33 @@ Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float
   }
   if (attention.sparse.enabled) return SparseAttendFloat(view, queries, attention, ranges, out, options, sparse_report);
   return AttendFloat(view, queries, attention, out, options);
+}
+
+void CalibrateLogitStd(SyntheticData* data, int64_t n_q, int64_t n_k, int heads, int h, int d, double scale,
+                       double logit_std, int64_t calibration_queries, int64_t calibration_keys) {
+  const int64_t nq = std::min(n_q, calibration_queries);
+  const int64_t nk = std::min(n_k, calibration_keys);
+  double mean_std = 0.0;
+  for (int64_t i = 0; i < nq; ++i) {
+    const float* q = data->q.data() + ((i * n_q / nq) * heads + h) * d;
+    double s1 = 0.0, s2 = 0.0;
+    for (int64_t j = 0; j < nk; ++j) {
+      const float* k = data->k.data() + ((j * n_k / nk) * heads + h) * d;
+      double s = 0.0;
+      for (int c = 0; c < d; ++c) s += static_cast<double>(q[c]) * k[c];
+      s *= scale;
+      s1 += s;
+      s2 += s * s;
+    }
+    const double mean = s1 / nk;
+    mean_std += std::sqrt(std::max(s2 / nk - mean * mean, 0.0));
+  }
+  mean_std /= std::max<int64_t>(nq, 1);
+  const double g = mean_std > 0.0 ? logit_std / mean_std : 1.0;
+  for (int64_t t = 0; t < n_q; ++t) {
+    float* row = data->q.data() + (t * heads + h) * d;
+    for (int c = 0; c < d; ++c) row[c] = static_cast<float>(row[c] * g);
+  }
 }
 
 }  // namespace kvpack::cpu

@@ -63,6 +63,12 @@ struct SyntheticData {
   std::vector<float> v;  // [n_k, H, d]
 };
 
+// Scales the q rows of head h (data->q [n_q, heads, d]) so that the mean over calibration_queries
+// sampled queries of the std over calibration_keys sampled keys of scale·q·k is logit_std: the
+// temperature of the synthetic generators (MakeSyntheticData, locality_data.h).
+void CalibrateLogitStd(SyntheticData* data, int64_t n_q, int64_t n_k, int heads, int h, int d, double scale,
+                       double logit_std, int64_t calibration_queries, int64_t calibration_keys);
+
 SyntheticData MakeSyntheticData(const SyntheticOptions& options);
 
 // ── Evaluation ──────────────────────────────────────────────────────────────────────────────────
