@@ -303,4 +303,10 @@ ChunkGate CancelGate(std::function<bool()> cancelled) {
   };
 }
 
+MmaPath ConfigMmaPath(const LayerConfig& config) {
+  bool has_bf16 = false;
+  for (const TokenRange& r : config.ranges) has_bf16 = has_bf16 || r.format == PageFormat::kBf16;
+  return ResolveMmaPath(config.attention.mma, has_bf16, config.shape.head_dim, config.transforms.rotate);
+}
+
 }  // namespace kvpack

@@ -270,6 +270,10 @@ KvEntryView MakeKvView(const KvLayout& layout, const LayerShape& shape, const ui
 
 // ── Shared host-side helpers (layer_spec.cc) ────────────────────────────────────────────────────
 
+// The MMA path of a layer of `config` on a kernel that has every path (mma_path.h ResolveMmaPath over
+// config.attention.mma, its ranges' formats, head_dim and rotation).
+MmaPath ConfigMmaPath(const LayerConfig& config);
+
 // Pages of the token layout: each range split into ceil(len/64) pages, the last one partial.
 std::vector<PageDesc> BuildPageLayout(const std::vector<TokenRange>& ranges);
 

@@ -311,7 +311,7 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
       continue;
     }
     // Attention: tiles of kQueryTile queries × one head; writes out rows [begin, begin + rows).
-    const MmaPath mma = ResolveMmaPath(config.attention.mma, HasBf16Pages(kv), kv.head_dim, kv.rotate);
+    const MmaPath mma = ConfigMmaPath(config);
     const int64_t n_tiles = (rows + kQueryTile - 1) / kQueryTile;
     ParallelFor(threads, n_tiles * heads, [&](int64_t item) {
       const int64_t first = (item / heads) * kQueryTile;  // row inside the chunk

@@ -154,9 +154,7 @@ int MaxPageBytes(const LayerConfig& c) {
 }  // namespace
 
 MmaPath LayerMmaPath(const LayerConfig& c, AttentionTilingChoice tiling) {
-  bool has_bf16 = false;
-  for (const TokenRange& r : c.ranges) has_bf16 = has_bf16 || r.format == PageFormat::kBf16;
-  return TilingHasInt8Mma(tiling) ? ResolveMmaPath(c.attention.mma, has_bf16, c.shape.head_dim, c.transforms.rotate) : MmaPath::kBf16;
+  return TilingHasInt8Mma(tiling) ? ConfigMmaPath(c) : MmaPath::kBf16;
 }
 
 Error ResolveLayerKernel(const LayerConfig& c, AttentionTilingChoice requested, AttentionTilingChoice* tiling,

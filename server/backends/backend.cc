@@ -7,11 +7,7 @@
 
 namespace kvpack::server {
 
-MmaPath Backend::ResolvedMma(const LayerConfig& config) const {
-  bool has_bf16 = false;
-  for (const TokenRange& r : config.ranges) has_bf16 = has_bf16 || r.format == PageFormat::kBf16;
-  return ResolveMmaPath(config.attention.mma, has_bf16, config.shape.head_dim, config.transforms.rotate);
-}
+MmaPath Backend::ResolvedMma(const LayerConfig& config) const { return ConfigMmaPath(config); }
 
 uint64_t HostStagingBytes(const LayerConfig& config, const TensorResidency& resident) {
   const LayerShape& s = config.shape;
