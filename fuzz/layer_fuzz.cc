@@ -22,9 +22,7 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include "google/protobuf/io/tokenizer.h"
-#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
-#include "google/protobuf/text_format.h"
+#include "fuzz/fuzz_input.h"
 #include "kvpack/v1/kvpack.grpc.pb.h"
 #include "server/backends/cpu_backend.h"
 #include "server/service/service.h"
@@ -263,21 +261,6 @@ class Harness {
 
 }  // namespace
 
-// Wire bytes, or after a leading 't' protobuf text (see plan_fuzz.cc: text mutates numbers inside
-// nested messages far more easily).
-bool ParseInput(const uint8_t* data, size_t size, google::protobuf::Message* out) {
-  if (size > 0 && data[0] == 't') {
-    struct Quiet : google::protobuf::io::ErrorCollector {
-      void AddError(int, int, const std::string&) override {}
-    } quiet;  // a malformed text is just an input to skip, not worth a log line per exec
-    google::protobuf::TextFormat::Parser parser;
-    parser.AllowPartialMessage(true);
-    parser.RecordErrorsTo(&quiet);
-    google::protobuf::io::ArrayInputStream in(data + 1, static_cast<int>(size - 1));
-    return parser.Parse(&in, out);
-  }
-  return out->ParseFromArray(data, static_cast<int>(size));
-}
 
 }  // namespace kvpack::server
 
