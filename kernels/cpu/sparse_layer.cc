@@ -13,34 +13,19 @@ namespace {
 
 uint64_t Align8(uint64_t b) { return (b + 7) & ~uint64_t{7}; }
 
-int PageCount(const LayerConfig& config) {
-  int64_t pages = 0;
-  for (const TokenRange& r : config.ranges) pages += (r.end - r.begin + kPageTokens - 1) / kPageTokens;
-  return static_cast<int>(pages);
-}
-
 // Bytes of one (block, head) route: two lists, scores, order, marks, the report.
 uint64_t RouteItemBytes(int n_pages) {
   return Align8(static_cast<uint64_t>(n_pages) * (4 * sizeof(int32_t) + 1)) + sizeof(SparseReport);
 }
 
-int64_t MaxBlocksPerChunk(const LayerConfig& config, int n_pages) {
-  const int64_t rows = SparseQueryRows(config);
-  return std::min<int64_t>(n_pages, (rows + kQueryBlock - 1) / kQueryBlock + static_cast<int64_t>(config.ranges.size()));
-}
-
 }  // namespace
-
-int64_t SparseQueryRows(const LayerConfig& config) {
-  return std::min(config.shape.n_tokens, config.query_chunk + kQueryBlock - 1);
-}
 
 uint64_t RoutingBytes(const LayerConfig& config) {
   if (!config.attention.sparse.enabled) return 0;
-  const int P = PageCount(config);
+  const int P = static_cast<int>(SparsePageCount(config));
   const int heads = config.shape.n_heads;
   return Align8(PageStatsBytes(heads, config.shape.head_dim, P)) +
-         static_cast<uint64_t>(MaxBlocksPerChunk(config, P)) * heads * RouteItemBytes(P);
+         static_cast<uint64_t>(SparseBlocksPerChunk(config)) * heads * RouteItemBytes(P);
 }
 
 double RoutedFractionBound(const LayerConfig& config) {

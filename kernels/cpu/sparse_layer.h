@@ -17,11 +17,10 @@
 
 #include "kernels/cpu/sparse_attention.h"
 #include "kernels/layer_spec.h"
+#include "kernels/sparse_plan.h"
 
 namespace kvpack::cpu {
 
-// Rows of the largest query chunk of a sparse layer: min(N, Tq + kQueryBlock − 1).
-int64_t SparseQueryRows(const LayerConfig& config);
 // Bytes of the statistics and routes regions (0 with sparse off).
 uint64_t RoutingBytes(const LayerConfig& config);
 // Upper bound on the routed fraction (SparseReport) of the layer, from the options and the ranges

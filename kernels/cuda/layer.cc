@@ -11,6 +11,8 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/row_epilogue.h"
+#include "kernels/cuda/sparse.h"
+#include "kernels/sparse_plan.h"
 #include "kernels/transform_choice.h"
 
 namespace kvpack::cuda {
@@ -45,7 +47,9 @@ StatsScratch PlanStatsScratch(const LayerConfig& c) {
 uint64_t MainRegionBytes(const LayerConfig& c) {
   const uint64_t hd = c.shape.HeadCols();
   const uint64_t projection = c.projected.enabled ? 0 : AlignUp(ProjectionRows(c) * 2 * hd * 2);
-  const uint64_t query = AlignUp(QueryRows(c) * hd * 2);
+  // Sparse: the stored queries of a chunk ending on a page end (sparse_plan.h), then the routing region.
+  const uint64_t query = c.attention.sparse.enabled ? AlignUp(SparseQueryRows(c) * hd * 2) + PlanSparseRegion(c).end
+                                                    : AlignUp(QueryRows(c) * hd * 2);
   const uint64_t stats = c.stats ? 0 : PlanStatsScratch(c).end;
   return std::max({projection, query, stats});
 }
@@ -203,6 +207,114 @@ Error ComputeStatsOnDevice(const LayerConfig& c, const LayerTensors& t, const Kv
                        ctx.stream);
 }
 
+// The Q epilogue's parameters: stored form (bias, QK-norm, RoPE, ×λ, R) in place in the workspace q.
+RowEpilogueParams QueryRowParams(const LayerConfig& c, const LayerTensors& t, const KvEntryView& kv, uint16_t* q) {
+  const int64_t hd = c.shape.HeadCols();
+  RowEpilogueParams p = BaseRowParams(c, t);
+  p.in = q, p.in_stride = hd, p.out_bf16 = q, p.out_stride = hd;
+  if (c.projected.enabled) p.given[0] = t.q, p.given_layout = c.projected;  // read there, stored form into q
+  p.lambda = kv.lambda, p.rotate = kv.rotate, p.seed = kv.seed;
+  return p;
+}
+
+// What every attention launch of the layer shares (queries from q, rows of H·d).
+AttentionParams BaseAttentionParams(const LayerConfig& c, const KvEntryView& kv, const uint16_t* q) {
+  const int64_t hd = c.shape.HeadCols();
+  AttentionParams a;
+  a.q = q, a.q_stride = hd;
+  a.out_stride = hd;
+  a.kv = kv;
+  a.softmax_scale = c.attention.softmax_scale > 0.0f ? c.attention.softmax_scale
+                                                      : 1.0f / std::sqrt(static_cast<float>(c.shape.head_dim));
+  a.visibility.causal = c.attention.causal;
+  a.max_page_bytes = MaxPageBytes(c);
+  return a;
+}
+
+// The Q projection of rows [q0, q0 + rows) into the stored-form workspace q (GEMM, then the epilogue).
+Error ProjectQueries(const LayerConfig& c, const LayerTensors& t, int64_t q0, int64_t rows, uint16_t* q,
+                     RowEpilogueParams& p, BlasGemm& gemm, StageClock& clock, const CudaContext& ctx) {
+  const int64_t hd = c.shape.HeadCols(), hidden = c.shape.hidden;
+  if (!c.projected.enabled) {
+    GemmArgs g;
+    g.a = t.x + q0 * hidden, g.lda = hidden;
+    g.b = t.w_qkv, g.ldb = hidden;  // rows [q] of W
+    g.c = q, g.ldc = hd;
+    g.m = rows, g.n = hd, g.k = hidden;
+    KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::q_gemm_ms, [&] { return gemm.Run(g, ctx.stream); }));
+  }
+  p.n_rows = rows, p.token_begin = q0;
+  return clock.Time(&StageTimes::q_epilogue_ms, [&] { return LaunchRowEpilogue(RowMode::kQuery, p, ctx.stream); });
+}
+
+// AttendLayer with config.attention.sparse (sparse.h): page statistics once, then per query chunk (ending
+// on a page end) the Q projection, the routing and the exact + pooled attention of its blocks.
+Error AttendSparse(const LayerConfig& c, const LayerTensors& t, const KvEntryView& kv, uint8_t* workspace,
+                   const CudaContext& ctx, const ChunkGate& gate, SparseReport* report) {
+  KVPACK_RETURN_IF_ERROR(SparseSupported(c));
+  const int64_t n = c.shape.n_tokens, hd = c.shape.HeadCols();
+  uint8_t* main = workspace + BlasBytes(c);
+  BlasGemm gemm(ctx.blas, workspace);
+  StageClock clock(ctx);
+  uint16_t* q = reinterpret_cast<uint16_t*>(main);  // [SparseQueryRows, H·d] bf16
+  uint8_t* region = main + AlignUp(SparseQueryRows(c) * hd * 2);
+  const SparseRegion r = PlanSparseRegion(c);
+  RowEpilogueParams p = QueryRowParams(c, t, kv, q);
+  SparseChunk chunk;
+  AttentionParams& a = chunk.attention;
+  a = BaseAttentionParams(c, kv, q);
+  chunk.options = c.attention.sparse;
+  chunk.mean_k = reinterpret_cast<float*>(region + r.mean_k);
+  chunk.v_sum = reinterpret_cast<float*>(region + r.v_sum);
+  chunk.range_flags = region + r.flags;
+  chunk.n_ranges = static_cast<int>(c.ranges.size());
+  chunk.exact_bits = reinterpret_cast<uint32_t*>(region + r.exact_bits);
+  chunk.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
+  chunk.words = r.words;
+  chunk.tallies = reinterpret_cast<unsigned long long*>(region + r.tallies);
+
+  KVPACK_RETURN_IF_ERROR(PassGate(gate));
+  std::vector<uint8_t> flags(c.ranges.size());
+  for (size_t i = 0; i < c.ranges.size(); ++i) {
+    flags[i] = static_cast<uint8_t>((c.ranges[i].always_attend ? kSparseRangeAlwaysAttend : 0) |
+                                    (c.ranges[i].attend_densely ? kSparseRangeAttendDensely : 0));
+  }
+  KVPACK_CUDA_RETURN(cudaMemcpyAsync(region + r.flags, flags.data(), flags.size(), cudaMemcpyHostToDevice, ctx.stream));
+  KVPACK_CUDA_RETURN(cudaMemsetAsync(chunk.tallies, 0, 3 * sizeof(unsigned long long), ctx.stream));
+  KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::attention_ms, [&] {
+    return LaunchPageStats(kv, const_cast<float*>(chunk.mean_k), const_cast<float*>(chunk.v_sum), ctx.stream);
+  }));
+
+  const std::vector<PageDesc> pages = BuildPageLayout(c.ranges);
+  int first_page = 0;
+  for (int64_t begin = 0; begin < n;) {
+    KVPACK_RETURN_IF_ERROR(PassGate(gate));
+    const int64_t end = SparseChunkEnd(c, pages, begin);
+    KVPACK_RETURN_IF_ERROR(ProjectQueries(c, t, begin, end - begin, q, p, gemm, clock, ctx));
+    int last_page = first_page;
+    while (last_page < static_cast<int>(pages.size()) && pages[last_page].token_begin < end) ++last_page;
+    a.q_token_begin = begin, a.n_q = end - begin;
+    a.out = t.out + begin * hd;
+    chunk.first_page = first_page;
+    chunk.n_blocks = last_page - first_page;
+    KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::attention_ms, [&] {
+      KVPACK_RETURN_IF_ERROR(LaunchRoutePages(chunk, ctx.stream));
+      return LaunchSparseAttention(chunk, ctx.stream);
+    }));
+    first_page = last_page;
+    begin = end;
+  }
+  if (report != nullptr) {  // the tallies, after the last chunk's routing
+    unsigned long long tallies[3] = {0, 0, 0};
+    KVPACK_CUDA_RETURN(cudaMemcpyAsync(tallies, chunk.tallies, sizeof(tallies), cudaMemcpyDeviceToHost, ctx.stream));
+    KVPACK_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
+    report->visible_pages += static_cast<int64_t>(tallies[0]);
+    report->exact_pages += static_cast<int64_t>(tallies[1]);
+    report->pooled_pages += static_cast<int64_t>(tallies[2]);
+  }
+  return clock.Finish();
+}
+
 }  // namespace
 
 Error Supported(const LayerConfig& c) {
@@ -219,6 +331,7 @@ Error Supported(const LayerConfig& c) {
   }
   if (c.projection_chunk <= 0) return InvalidArgument("projection_chunk must be positive");
   if (c.query_chunk <= 0) return InvalidArgument("query_chunk must be positive");
+  if (c.attention.sparse.enabled) KVPACK_RETURN_IF_ERROR(SparseSupported(c));
   if (c.in_place && c.shape.hidden != c.shape.HeadCols()) {
     return InvalidArgument("in_place needs hidden (" + std::to_string(c.shape.hidden) + ") == n_heads * head_dim (" +
                            std::to_string(c.shape.HeadCols()) + ")");
@@ -309,31 +422,22 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
 }
 
 Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView& kv, uint8_t* workspace,
-                  const CudaContext& ctx, const ChunkGate& gate) {
+                  const CudaContext& ctx, const ChunkGate& gate, SparseReport* report) {
   KVPACK_RETURN_IF_ERROR(Supported(c));
   KVPACK_RETURN_IF_ERROR(CheckTensors(c, t));
   KVPACK_RETURN_IF_ERROR(AttentionSupported(kv));
   if (kv.n_heads != c.shape.n_heads || kv.head_dim != c.shape.head_dim || kv.n_tokens != c.shape.n_tokens) {
     return InvalidArgument("kv: the entry's shape (heads, head_dim, tokens) differs from the layer's");
   }
-  const int64_t n = c.shape.n_tokens, hd = c.shape.HeadCols(), hidden = c.shape.hidden;
+  if (c.attention.sparse.enabled) return AttendSparse(c, t, kv, workspace, ctx, gate, report);
+  const int64_t n = c.shape.n_tokens, hd = c.shape.HeadCols();
   uint8_t* main = workspace + BlasBytes(c);
   BlasGemm gemm(ctx.blas, workspace);
   StageClock clock(ctx);
 
   uint16_t* q = reinterpret_cast<uint16_t*>(main);  // [Tq, H·d] bf16
-  RowEpilogueParams p = BaseRowParams(c, t);
-  p.in = q, p.in_stride = hd, p.out_bf16 = q, p.out_stride = hd;
-  if (c.projected.enabled) p.given[0] = t.q, p.given_layout = c.projected;  // read there, stored form into q
-  p.lambda = kv.lambda, p.rotate = kv.rotate, p.seed = kv.seed;
-  AttentionParams a;
-  a.q = q, a.q_stride = hd;
-  a.out_stride = hd;
-  a.kv = kv;
-  a.softmax_scale = c.attention.softmax_scale > 0.0f ? c.attention.softmax_scale
-                                                      : 1.0f / std::sqrt(static_cast<float>(c.shape.head_dim));
-  a.visibility.causal = c.attention.causal;
-  a.max_page_bytes = MaxPageBytes(c);
+  RowEpilogueParams p = QueryRowParams(c, t, kv, q);
+  AttentionParams a = BaseAttentionParams(c, kv, q);
   // The kernel for this entry on this GPU (kernel_choice.h), once: an impossible request (wgmma off
   // Hopper, pages too large for the GPU's shared memory) fails here, before any query chunk.
   KVPACK_RETURN_IF_ERROR(ResolveLayerKernel(c, ctx.attention_tiling, &a.tiling, &a.mma));
@@ -345,17 +449,7 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
   for (int64_t q0 = 0; q0 < n; q0 += tq) {
     KVPACK_RETURN_IF_ERROR(PassGate(gate));
     const int64_t rows = std::min(tq, n - q0);
-    if (!c.projected.enabled) {
-      GemmArgs g;
-      g.a = t.x + q0 * hidden, g.lda = hidden;
-      g.b = t.w_qkv, g.ldb = hidden;  // rows [q] of W
-      g.c = q, g.ldc = hd;
-      g.m = rows, g.n = hd, g.k = hidden;
-      KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::q_gemm_ms, [&] { return gemm.Run(g, ctx.stream); }));
-    }
-    p.n_rows = rows, p.token_begin = q0;
-    KVPACK_RETURN_IF_ERROR(
-        clock.Time(&StageTimes::q_epilogue_ms, [&] { return LaunchRowEpilogue(RowMode::kQuery, p, ctx.stream); }));
+    KVPACK_RETURN_IF_ERROR(ProjectQueries(c, t, q0, rows, q, p, gemm, clock, ctx));
     // In place, rows [q0, q0 + rows) of x are overwritten only now, after every read of them
     // (K/V projection finished before this call; this chunk's Q was projected just above).
     a.q_token_begin = q0, a.n_q = rows;
@@ -366,10 +460,10 @@ Error AttendLayer(const LayerConfig& c, const LayerTensors& t, const KvEntryView
 }
 
 Error RunLayer(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* workspace, const CudaContext& ctx,
-               const ChunkGate& gate) {
+               const ChunkGate& gate, SparseReport* report) {
   KVPACK_RETURN_IF_ERROR(ProjectKv(c, t, kv, workspace, ctx, gate));
   const KvEntryView view = MakeKvView(PlanKvLayout(c.shape, c.ranges), c.shape, kv, c.transforms);
-  KVPACK_RETURN_IF_ERROR(AttendLayer(c, t, view, workspace, ctx, gate));
+  KVPACK_RETURN_IF_ERROR(AttendLayer(c, t, view, workspace, ctx, gate, report));
   return CudaError(cudaStreamSynchronize(ctx.stream), "layer");
 }
 

@@ -89,12 +89,15 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
 
 // Projects Q chunk by chunk from tensors.x and attends to the entry `kv` (a device view of the same
 // N tokens: query i has the sequence id and position of token i). Writes tensors.out.
+// With config.attention.sparse the block-sparse path runs (sparse.h) and adds its tallies to *report
+// (when set; this synchronises the stream once at the end).
 Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const KvEntryView& kv,
-                  uint8_t* workspace, const CudaContext& context, const ChunkGate& gate);
+                  uint8_t* workspace, const CudaContext& context, const ChunkGate& gate,
+                  SparseReport* report = nullptr);
 
 // ProjectKv then AttendLayer, then a stream synchronisation; with config.in_place,
 // tensors.out == tensors.x.
 Error RunLayer(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
-               const CudaContext& context, const ChunkGate& gate);
+               const CudaContext& context, const ChunkGate& gate, SparseReport* report = nullptr);
 
 }  // namespace kvpack::cuda

@@ -148,10 +148,6 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
 
   absl::Status Supported(const LayerConfig& config) const override {
-    if (config.attention.sparse.enabled) {  // until the routing and exact-stage kernels exist (issue 13)
-      return absl::UnimplementedError(
-          "header.options.attention.sparse: sparse attention runs on the CPU backend only so far");
-    }
     if (absl::Status s = ToStatus(cuda::Supported(config)); !s.ok()) return s;
     // The attention kernel for the largest page on this GPU (kernel_choice.h): pages this GPU's
     // shared memory cannot hold (INT8 / BF16 at d = 128 on a 99 KB consumer GPU) fail here, before
@@ -245,12 +241,13 @@ class CudaBackend final : public Backend {
   }
 
   absl::Status AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
-                           uint8_t* workspace, const ChunkGate& gate, SparseReport* /*sparse_report*/) override {
+                           uint8_t* workspace, const ChunkGate& gate, SparseReport* sparse_report) override {
     const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
     const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
     StreamPool::Borrowed stream = streams_.Borrow();
     return Finish(
-        cuda::AttendLayer(config, tensors, view, workspace, Context(stream.get()), AfterIdle(gate, stream.get())),
+        cuda::AttendLayer(config, tensors, view, workspace, Context(stream.get()), AfterIdle(gate, stream.get()),
+                          sparse_report),
         stream.get());
   }
 

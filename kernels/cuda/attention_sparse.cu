@@ -1,0 +1,202 @@
+// The exact stage and pooled tail of block-sparse attention (sparse.h), on mma.sync (every arch).
+//
+// A CTA of 4 warps × 16 rows takes one query block (the ≤ 64 queries of one page) of one head, so the
+// routing — one per (block, head) — is the same for all its rows:
+//   1. the exact pages, ascending, from the block's exact bitmask: raw copy (cp.async, two stages, the
+//      next page's bytes in flight), decode by the codec into bf16 tiles, S = Q·Kᵀ, masks, online
+//      softmax, O += P·V — the dense portable kernel's steps (attention_sm80_warp.cuh);
+//   2. the pooled pages, 64 at a time as one synthetic page: key j = mean_k of pooled page p_j (bf16),
+//      value j = v_sum / n_j, logit bias ln n_j — n_j tokens of logit s and value v_sum / n_j, the
+//      CPU's FoldPooled — masked past the group's count; no causal mask (a pooled page is fully
+//      visible to the block: PageFullyVisibleToBlock);
+//   3. the dense path's epilogue: 1/ℓ, Rᵀ, ×λ_v, +μ_v, bf16 rows of the output.
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/attention_device.cuh"
+#include "kernels/cuda/attention_sm80_warp.cuh"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/sparse.h"
+
+namespace kvpack::cuda {
+namespace {
+
+using namespace sm80;
+
+// Tile traits of one query block: Q [64][kPitch], K and V tiles [64][kPitch] (bf16), then two raw stages.
+template <int kDimT>
+struct SparseTile {
+  static constexpr int kDim = kDimT;
+  static constexpr int kWarps = 4;
+  static constexpr int kMTiles = 1;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRowsPerWarp = 16;
+  static constexpr int kRows = kWarps * kRowsPerWarp;
+  static_assert(kRows == kPageTokens, "a CTA holds one query block");
+  static constexpr int kPitch = kDim + 8;
+  static constexpr int kTileBytes = kPageTokens * kPitch * 2;
+  static constexpr int kQBytes = kRows * kPitch * 2;
+  static constexpr int kRawOffset = kQBytes + 2 * kTileBytes;
+  static constexpr int kStagePitch = kDim + 4;
+  static_assert(kRows * kStagePitch * 4 <= kRawOffset, "epilogue staging fits in the Q/K/V tiles");
+  static constexpr int kKTiles = kDim / 16;
+  static constexpr int kONTiles = kDim / 8;
+};
+
+// The first set bit at or after `from` of bits[0 … words), or −1. Every thread of the CTA calls it
+// with the same arguments (uniform control flow).
+__device__ __forceinline__ int NextBit(const uint32_t* bits, int words, int from) {
+  int w = from >> 5;
+  if (w >= words) return -1;
+  uint32_t m = bits[w] & (~0u << (from & 31));
+  while (m == 0) {
+    if (++w >= words) return -1;
+    m = bits[w];
+  }
+  return (w << 5) + __ffs(m) - 1;
+}
+
+template <int kDim>
+__global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKernel(const SparseChunk chunk) {
+  using T = SparseTile<kDim>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint16_t* q_tile = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* k_tile = reinterpret_cast<uint16_t*>(smem + T::kQBytes);
+  uint16_t* v_tile = reinterpret_cast<uint16_t*>(smem + T::kQBytes + T::kTileBytes);
+  uint8_t* raw = smem + T::kRawOffset;
+  __shared__ QueryRuns runs;
+  __shared__ int group[kPageTokens];     // pooled pages of the current group
+  __shared__ float bias[kPageTokens];    // their ln n_j, in S units (÷ scale·log2 e)
+  __shared__ int group_n, group_next;
+  const AttentionParams& p = chunk.attention;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int head = blockIdx.y;
+  const PageDesc block = p.kv.pages[chunk.first_page + blockIdx.x];
+  const int n_rows = block.n_valid;
+  const int64_t t0 = block.token_begin;
+  const int64_t q0 = t0 - p.q_token_begin;  // launch row of the block's first query
+  const int row0 = warp * T::kRowsPerWarp;
+  const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
+
+  // ── Prologue: the block's stored queries [64][d] → smem; one run (one sequence) ────────────────
+  for (int u = tid; u < T::kRows * (kDim / 8); u += T::kThreads) {
+    const int r = u / (kDim / 8), c8 = u % (kDim / 8);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < n_rows) v = *reinterpret_cast<const uint4*>(p.q + (q0 + r) * p.q_stride + head * kDim + c8 * 8);
+    *reinterpret_cast<uint4*>(q_tile + r * T::kPitch + c8 * 8) = v;
+  }
+  for (int r = tid; r < kTileQueries; r += T::kThreads) runs.q_seq[r] = block.seq_id;
+  if (tid == 0) runs.n = 1, runs.seq[0] = block.seq_id, runs.last[0] = static_cast<int>(t0 + n_rows - 1);
+  WarpRows<T> w;
+#pragma unroll
+  for (int n = 0; n < T::kONTiles; ++n) w.o[0][n][0] = w.o[0][n][1] = w.o[0][n][2] = w.o[0][n][3] = 0.0f;
+  w.row_max[0][0] = w.row_max[0][1] = -INFINITY, w.row_sum[0][0] = w.row_sum[0][1] = 0.0f;
+  const int64_t route = (static_cast<int64_t>(blockIdx.x) * p.kv.n_heads + head) * chunk.words;
+  const uint32_t* exact = chunk.exact_bits + route;
+  const uint32_t* pooled = chunk.pooled_bits + route;
+  __syncthreads();
+
+  // ── 1. Exact pages ───────────────────────────────────────────────────────────────────────────
+  const int stage_bytes = 2 * p.max_page_bytes;
+  int page_index = NextBit(exact, chunk.words, 0);
+  if (page_index >= 0) LoadPageAsync<T::kThreads, kDim>(p, head, page_index, raw, tid);
+  CpAsyncCommit();
+  for (int i = 0; page_index >= 0; ++i) {
+    const int next = NextBit(exact, chunk.words, page_index + 1);
+    // Stage (i+1)&1 held page i−1, decoded before the previous iteration's second barrier.
+    if (next >= 0) LoadPageAsync<T::kThreads, kDim>(p, head, next, raw + ((i + 1) & 1) * stage_bytes, tid);
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    __syncthreads();  // page i's bytes are here; every warp is done with the previous tiles
+    const PageDesc page = p.kv.pages[page_index];
+    const uint8_t* stage = raw + (i & 1) * stage_bytes;
+    DecodePage<T>(stage, static_cast<PageFormat>(page.format), page.n_valid, k_tile);
+    DecodePage<T>(stage + p.max_page_bytes, static_cast<PageFormat>(page.format), page.n_valid, v_tile);
+    __syncthreads();  // tiles decoded
+    ScorePage(w, q_tile, k_tile, row0, lane);
+    SoftmaxPage(w, p, runs, page, t0, row0, scale_log2, lane);
+    AccumulatePv(w, v_tile, lane);
+    page_index = next;
+  }
+
+  // ── 2. Pooled pages, 64 per synthetic page ───────────────────────────────────────────────────
+  AttentionParams pooled_params = p;
+  pooled_params.visibility.causal = false;  // pooled pages are wholly visible to the block
+  const float* mean_k = chunk.mean_k + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
+  const float* v_sum = chunk.v_sum + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
+  int from = 0;
+  while (true) {
+    __syncthreads();  // every warp is done with the tiles (and with group[] of the last round)
+    if (tid == 0) {
+      int count = 0, pg = from;
+      while (count < kPageTokens && (pg = NextBit(pooled, chunk.words, pg)) >= 0) group[count++] = pg++;
+      group_n = count;
+      group_next = pg < 0 ? p.kv.n_pages : pg;
+    }
+    __syncthreads();
+    const int count = group_n;
+    if (count == 0) break;
+    from = group_next;
+    for (int u = tid; u < kPageTokens * (kDim / 8); u += T::kThreads) {
+      const int j = u / (kDim / 8), c8 = u % (kDim / 8);
+      uint4 k8 = make_uint4(0, 0, 0, 0), v8 = make_uint4(0, 0, 0, 0);
+      if (j < count) {
+        const int64_t at = static_cast<int64_t>(group[j]) * kDim + c8 * 8;
+        const float inv_n = 1.0f / static_cast<float>(p.kv.pages[group[j]].n_valid);
+        const float4 ka = *reinterpret_cast<const float4*>(mean_k + at), kb = *reinterpret_cast<const float4*>(mean_k + at + 4);
+        const float4 va = *reinterpret_cast<const float4*>(v_sum + at), vb = *reinterpret_cast<const float4*>(v_sum + at + 4);
+        k8 = make_uint4(PackBf16(ka.x, ka.y), PackBf16(ka.z, ka.w), PackBf16(kb.x, kb.y), PackBf16(kb.z, kb.w));
+        v8 = make_uint4(PackBf16(va.x * inv_n, va.y * inv_n), PackBf16(va.z * inv_n, va.w * inv_n),
+                        PackBf16(vb.x * inv_n, vb.y * inv_n), PackBf16(vb.z * inv_n, vb.w * inv_n));
+      }
+      *reinterpret_cast<uint4*>(k_tile + j * T::kPitch + c8 * 8) = k8;
+      *reinterpret_cast<uint4*>(v_tile + j * T::kPitch + c8 * 8) = v8;
+    }
+    for (int j = tid; j < kPageTokens; j += T::kThreads) {
+      bias[j] = j < count ? log2f(static_cast<float>(p.kv.pages[group[j]].n_valid)) / scale_log2 : 0.0f;
+    }
+    __syncthreads();
+    ScorePage(w, q_tile, k_tile, row0, lane);
+    const int t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w.s[0][n][e] += bias[n * 8 + 2 * t + (e & 1)];
+    }
+    PageDesc synthetic{};
+    synthetic.token_begin = 0;
+    synthetic.seq_id = block.seq_id;
+    synthetic.n_valid = static_cast<uint16_t>(count);
+    SoftmaxPage(w, pooled_params, runs, synthetic, t0, row0, scale_log2, lane);
+    AccumulatePv(w, v_tile, lane);
+  }
+
+  // ── 3. Epilogue ──────────────────────────────────────────────────────────────────────────────
+  const QueryTileCoords tile{head, q0, n_rows, t0};
+  StoreWarpRows(w, p, smem, tile, row0, lane);
+}
+
+template <int kDim>
+Error Launch(const SparseChunk& chunk, cudaStream_t stream) {
+  using T = SparseTile<kDim>;
+  const int smem = T::kRawOffset + 2 * 2 * chunk.attention.max_page_bytes;
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(SparseAttentionKernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  SparseAttentionKernel<kDim><<<dim3(chunk.n_blocks, chunk.attention.kv.n_heads), T::kThreads, smem, stream>>>(chunk);
+  KVPACK_CUDA_RETURN_LAUNCH("sparse attention");
+  return Error::Ok();
+}
+
+}  // namespace
+
+Error LaunchSparseAttention(const SparseChunk& chunk, cudaStream_t stream) {
+  if (chunk.n_blocks <= 0) return Error::Ok();
+  switch (chunk.attention.kv.head_dim) {
+    case 64:
+      return Launch<64>(chunk, stream);
+    case 128:
+      return Launch<128>(chunk, stream);
+    default:
+      return Unsupported("sparse attention: head_dim must be 64 or 128");
+  }
+}
+
+}  // namespace kvpack::cuda

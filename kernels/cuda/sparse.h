@@ -1,0 +1,71 @@
+// Block-sparse attention over packed pages on the GPU (AttentionOptions::sparse): the CUDA twin of
+// cpu/sparse_attention.h, which defines the algorithm (read its header first). Three kernels per layer:
+//
+//   LaunchPageStats   once per layer: per (head, page) mean_k = (1/n) Σ_j k̂_j and v_sum = Σ_j v̂_j of
+//                     the decoded stored rows, double sums in slot order rounded once — bit for bit
+//                     the CPU's ComputePageStats (sparse_route.cu is built without FMA contraction).
+//   LaunchRoutePages  per query chunk, one CTA per (query block, head): the centroid of the block's
+//                     stored queries, scale · centroid · mean_k of every visible page (double dots),
+//                     the forced pages, top-k or rel-tau, the floor — the CPU's RoutePages, bit for
+//                     bit — written as two bitmasks per (block, head): exact and pooled pages.
+//   LaunchSparseAttention  per query chunk, one CTA of 4 warps × 16 rows per (query block, head)
+//                     (attention_sparse.cu, mma.sync, every arch): the exact pages in ascending order
+//                     (raw copy, codec decode, S = Q·Kᵀ, masks, online softmax, O += P·V), then the
+//                     pooled pages 64 at a time as one synthetic page of mean keys (bf16) with values
+//                     v_sum / n and a logit bias ln n (n tokens of logit s and value v_sum / n, the
+//                     CPU's FoldPooled), then the dense path's epilogue (Rᵀ, ×λ_v, +μ_v, bf16).
+// Results equal the CPU reference's routing exactly and its outputs to rounding (bf16 tiles and
+// mean keys, fold order); tests/kernels/cuda_sparse_test.cc holds both to that.
+//
+// Memory (SparseRegionBytes, part of the layer's workspace while it attends): the statistics
+// float [H, P, d] × 2, the range flags, exact and pooled bitmasks uint32 [blocks per chunk, H, ⌈P/32⌉]
+// each, three uint64 tallies. The route kernel sorts one (block, head)'s scores in shared memory:
+// 8 bytes per page rounded up to a power of two, so entries have at most kMaxSparsePagesGpu pages.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/error.h"
+#include "kernels/layer_spec.h"
+
+namespace kvpack::cuda {
+
+inline constexpr int kMaxSparsePagesGpu = 16384;  // 1,048,576 tokens; sort keys 128 KiB of shared memory
+
+// Pieces of the sparse region of the workspace (byte offsets from its start).
+struct SparseRegion {
+  uint64_t mean_k = 0, v_sum = 0, flags = 0, exact_bits = 0, pooled_bits = 0, tallies = 0, end = 0;
+  int words = 0;  // uint32 per (block, head) bitmask: ⌈P/32⌉
+};
+SparseRegion PlanSparseRegion(const LayerConfig& config);
+// OK when the CUDA layer can run config's sparse options (the entry's page count).
+Error SparseSupported(const LayerConfig& config);
+
+// What the route and attention kernels of one query chunk read. Device pointers.
+struct SparseChunk {
+  AttentionParams attention;       // q = the chunk's stored queries, q_token_begin = its first token,
+                                   // out = its first output row; kv, scale, visibility as the dense path
+  SparseOptions options;
+  int first_page = 0;              // the chunk's blocks are pages first_page … first_page + n_blocks − 1
+  int n_blocks = 0;
+  const float* mean_k = nullptr;   // [H, P, d]
+  const float* v_sum = nullptr;    // [H, P, d]
+  const uint8_t* range_flags = nullptr;  // per range: cpu::kRangeAlwaysAttend | kRangeAttendDensely
+  int n_ranges = 0;
+  uint32_t* exact_bits = nullptr;  // [n_blocks, H, words]
+  uint32_t* pooled_bits = nullptr; // [n_blocks, H, words]
+  int words = 0;
+  unsigned long long* tallies = nullptr;  // visible, exact, pooled pages (SparseReport), accumulated
+};
+
+inline constexpr uint8_t kSparseRangeAlwaysAttend = 1;  // = cpu::kRangeAlwaysAttend
+inline constexpr uint8_t kSparseRangeAttendDensely = 2; // = cpu::kRangeAttendDensely
+
+Error LaunchPageStats(const KvEntryView& kv, float* mean_k, float* v_sum, cudaStream_t stream);
+Error LaunchRoutePages(const SparseChunk& chunk, cudaStream_t stream);
+Error LaunchSparseAttention(const SparseChunk& chunk, cudaStream_t stream);
+
+}  // namespace kvpack::cuda

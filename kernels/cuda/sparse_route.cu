@@ -1,0 +1,315 @@
+// The block-sparse path's page statistics and routing on the GPU (sparse.h), bit for bit the CPU's
+// ComputePageStats and RoutePages (cpu/sparse_attention.cc): every sum runs in double in the CPU's
+// order, and this file is compiled with --fmad=false (kernels/cuda/CMakeLists.txt) so that no
+// multiply and add fuse where the host's code rounds twice.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/sparse.h"
+#include "kernels/page_codec.h"
+#include "kernels/sparse_plan.h"
+
+namespace kvpack::cuda {
+namespace {
+
+constexpr int kRouteThreads = 256;
+uint64_t AlignUp(uint64_t v) { return (v + 255) / 256 * 256; }
+
+int SortSize(int n_pages) {
+  int n = 1;
+  while (n < n_pages) n <<= 1;
+  return n;
+}
+int RouteSmemBytes(int n_pages) { return SortSize(n_pages) * 8 + (n_pages + 15) / 16 * 16; }
+
+// ── Statistics ──────────────────────────────────────────────────────────────────────────────────
+// Channel c of row `slot` of a page, decoded as the codec's DecodeRow does (same float operations).
+template <PageFormat F>
+__device__ __forceinline__ float DecodeElement(const uint8_t* page, int d, int slot, int c) {
+  using Codec = PageCodec<F>;
+  const uint8_t* codes = page + slot * Codec::CodeBytes(d);
+  if constexpr (F == PageFormat::kInt4) {
+    Int4RowMeta m;
+    memcpy(&m, page + MetaOffset(F, d) + slot * Codec::kMetaBytes, sizeof(m));
+    return DecodeInt4(codes[c / 2], c & 1, m);
+  } else if constexpr (F == PageFormat::kInt8) {
+    Int8RowMeta m;
+    memcpy(&m, page + MetaOffset(F, d) + slot * Codec::kMetaBytes, sizeof(m));
+    return static_cast<float>(static_cast<int8_t>(codes[c])) * HalfToFloat(m.scale);
+  } else if constexpr (F == PageFormat::kBf16) {
+    uint16_t b;
+    memcpy(&b, codes + 2 * c, 2);
+    return Bf16ToFloat(b);
+  } else {
+    static_assert(kUnhandledFormat<F>, "a page format without an element decode");
+  }
+}
+
+// One CTA per (page, head), one thread per channel: the slots in order, in double.
+__global__ void PageStatsKernel(const KvEntryView kv, float* mean_k, float* v_sum) {
+  const int pg = blockIdx.x, h = blockIdx.y, c = threadIdx.x, d = kv.head_dim;
+  const int64_t item = static_cast<int64_t>(h) * kv.n_pages + pg;
+  const PageDesc page = kv.pages[pg];
+  const uint8_t* k_bytes = kv.pool + kv.k_offsets[item];
+  const uint8_t* v_bytes = kv.pool + kv.v_offsets[item];
+  double k_acc = 0.0, v_acc = 0.0;
+  DispatchFormat(static_cast<PageFormat>(page.format), [&](auto tag) {
+    constexpr PageFormat F = decltype(tag)::kFormat;
+    for (int j = 0; j < page.n_valid; ++j) {
+      k_acc += DecodeElement<F>(k_bytes, d, j, c);
+      v_acc += DecodeElement<F>(v_bytes, d, j, c);
+    }
+    return 0;
+  });
+  mean_k[item * d + c] = static_cast<float>(k_acc / page.n_valid);
+  v_sum[item * d + c] = static_cast<float>(v_acc);
+}
+
+// ── Routing ─────────────────────────────────────────────────────────────────────────────────────
+// Scores as sort keys: descending key order = descending score, ties to the lower page index (the
+// CPU's comparator). −0 is +0 (they compare equal there). Key 0 = not visible (sorts last).
+__device__ __forceinline__ uint32_t OrderedBits(float f) {
+  const uint32_t u = __float_as_uint(f == 0.0f ? 0.0f : f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float ScoreOfKey(unsigned long long key) {
+  const uint32_t o = static_cast<uint32_t>(key >> 32);
+  return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
+__device__ __forceinline__ int PageOfKey(unsigned long long key) {
+  return static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
+}
+
+// Index of the page of sequence `seq` holding position `pos`, or −1 (the CPU's PageHolding).
+__device__ int PageHolding(const KvEntryView& kv, int32_t seq, int64_t pos) {
+  int lo = 0, hi = kv.n_pages;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (pos < kv.pages[mid].token_begin) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  if (lo == 0) return -1;
+  const PageDesc& page = kv.pages[lo - 1];
+  return page.seq_id == seq && pos < static_cast<int64_t>(page.token_begin) + page.n_valid ? lo - 1 : -1;
+}
+
+__device__ int TopKCount(float ratio, int n) {
+  const double x = static_cast<double>(ratio) * n;
+  const int k = static_cast<int>(ceil(x - 1e-6));
+  return max(1, min(n, k));
+}
+
+// Descending bitonic sort of n (a power of two) keys in shared memory.
+__device__ void SortDescending(unsigned long long* keys, int n) {
+  for (int k = 2; k <= n; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int ixj = i ^ j;
+        if (ixj > i) {
+          const unsigned long long a = keys[i], b = keys[ixj];
+          if ((i & k) == 0 ? a < b : a > b) keys[i] = b, keys[ixj] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+constexpr uint8_t kExact = 1, kVisible = 2;
+
+// One CTA per (query block, head) of the chunk.
+__global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseChunk chunk, int sort_size) {
+  extern __shared__ unsigned long long keys[];                       // [sort_size]
+  uint8_t* mark = reinterpret_cast<uint8_t*>(keys + sort_size);        // [P]: kExact | kVisible
+  __shared__ float centroid[kMaxHeadDimCpu];
+  __shared__ int n_visible, n_marked;
+  __shared__ unsigned long long tally[3];
+  __shared__ double threshold;
+  const AttentionParams& p = chunk.attention;
+  const KvEntryView& kv = p.kv;
+  const SparseOptions& sparse = chunk.options;
+  const int P = kv.n_pages, d = kv.head_dim, tid = threadIdx.x;
+  const int b = blockIdx.x, h = blockIdx.y;
+  const PageDesc block = kv.pages[chunk.first_page + b];
+  const int32_t seq = block.seq_id;
+  const int n = block.n_valid;
+  const int64_t first_pos = block.token_begin, last_pos = first_pos + n - 1;
+  const Visibility visibility = p.visibility;
+  auto flag_of = [&](int pg) -> uint8_t {
+    const int r = kv.pages[pg].range_index;
+    return r < chunk.n_ranges ? chunk.range_flags[r] : 0;
+  };
+
+  // The block's centroid: mean of its stored bf16 queries, double sums in row order.
+  for (int c = tid; c < d; c += blockDim.x) {
+    double acc = 0.0;
+    for (int i = 0; i < n; ++i) acc += Bf16ToFloat(p.q[(first_pos + i - p.q_token_begin) * p.q_stride + h * d + c]);
+    centroid[c] = static_cast<float>(acc / n);
+  }
+  if (tid == 0) n_visible = 0, n_marked = 0, tally[0] = tally[1] = tally[2] = 0;
+  __syncthreads();
+
+  // Visible pages, scores, forced pages.
+  const int diag_first = PageHolding(kv, seq, first_pos), diag_last = PageHolding(kv, seq, last_pos);
+  const bool dense_block = diag_first >= 0 && (flag_of(diag_first) & kSparseRangeAttendDensely);
+  const float* mean_k = chunk.mean_k + static_cast<int64_t>(h) * P * d;
+  for (int pg = tid; pg < sort_size; pg += blockDim.x) {
+    unsigned long long key = 0;
+    if (pg < P) {
+      const PageDesc page = kv.pages[pg];
+      uint8_t m = 0;
+      if (visibility.PageVisibleToRun(page, seq, last_pos)) {
+        const bool partial = !visibility.PageFullyVisibleToBlock(page, seq, first_pos);
+        float score = INFINITY;
+        if (!partial) {
+          double s = 0.0;
+          const float* mk = mean_k + static_cast<int64_t>(pg) * d;
+          for (int c = 0; c < d; ++c) s += static_cast<double>(centroid[c]) * mk[c];
+          score = p.softmax_scale * static_cast<float>(s);
+        }
+        const bool near = (diag_first >= 0 && pg >= diag_first - 1 && pg <= diag_first + 1) ||
+                          (diag_last >= 0 && pg >= diag_last - 1 && pg <= diag_last + 1);
+        const bool forced = partial || dense_block || near || (flag_of(pg) & kSparseRangeAlwaysAttend);
+        m = kVisible | (forced ? kExact : 0);
+        key = (static_cast<unsigned long long>(OrderedBits(score)) << 32) | (0xffffffffu - static_cast<uint32_t>(pg));
+        atomicAdd(&n_visible, 1);
+      }
+      mark[pg] = m;
+    }
+    keys[pg] = key;
+  }
+  __syncthreads();
+  if (tid == 0) {  // the first sink_pages visible pages, in entry order
+    int left = sparse.sink_pages;
+    for (int pg = 0; pg < P && left > 0; ++pg) {
+      if (mark[pg] & kVisible) mark[pg] |= kExact, --left;
+    }
+  }
+  SortDescending(keys, sort_size);  // its barriers publish the sinks too
+  const int nv = n_visible;
+  if (nv > 0 && sparse.mode == SparseMode::kTopK) {
+    const int k = TopKCount(sparse.topk_ratio, nv);
+    for (int i = tid; i < k; i += blockDim.x) mark[PageOfKey(keys[i])] |= kExact;
+  } else if (nv > 0) {
+    if (tid == 0) {  // over the fully visible pages, in score order (the CPU's sums)
+      double sum = 0.0, sum2 = 0.0, top = -INFINITY;
+      int scored = 0;
+      for (int i = 0; i < nv; ++i) {
+        const double s = ScoreOfKey(keys[i]);
+        if (isinf(s)) continue;
+        sum += s;
+        sum2 += s * s;
+        top = fmax(top, s);
+        ++scored;
+      }
+      threshold = INFINITY;
+      if (scored > 0) {
+        const double mean = sum / scored;
+        const double std_dev = sqrt(fmax(0.0, sum2 / scored - mean * mean));
+        threshold = top - static_cast<double>(sparse.rel_tau) * std_dev;
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < nv; i += blockDim.x) {
+      if (static_cast<double>(ScoreOfKey(keys[i])) >= threshold) mark[PageOfKey(keys[i])] |= kExact;
+    }
+  }
+  __syncthreads();
+  int mine = 0;
+  for (int pg = tid; pg < P; pg += blockDim.x) mine += mark[pg] & kExact;
+  atomicAdd(&n_marked, mine);
+  __syncthreads();
+  if (tid == 0) {  // the floor: the best remaining pages
+    const int floor = min(sparse.min_exact_pages, nv);
+    int count = n_marked;
+    for (int i = 0; i < nv && count < floor; ++i) {
+      uint8_t& m = mark[PageOfKey(keys[i])];
+      if (!(m & kExact)) m |= kExact, ++count;
+    }
+  }
+  __syncthreads();
+
+  // The two bitmasks and the tallies.
+  const int64_t base = (static_cast<int64_t>(b) * kv.n_heads + h) * chunk.words;
+  unsigned long long counts[3] = {0, 0, 0};  // visible, exact, pooled
+  for (int w = tid; w < chunk.words; w += blockDim.x) {
+    uint32_t exact = 0, pooled = 0;
+    for (int bit = 0; bit < 32; ++bit) {
+      const int pg = w * 32 + bit;
+      if (pg >= P) break;
+      const uint8_t m = mark[pg];
+      if (m & kExact) {
+        exact |= 1u << bit;
+      } else if (sparse.tail && (m & kVisible)) {
+        pooled |= 1u << bit;
+      }
+      counts[0] += (m & kVisible) ? 1 : 0;
+    }
+    counts[1] += __popc(exact);
+    counts[2] += __popc(pooled);
+    chunk.exact_bits[base + w] = exact;
+    chunk.pooled_bits[base + w] = pooled;
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (counts[i]) atomicAdd(&tally[i], counts[i]);
+  }
+  __syncthreads();
+  if (tid < 3) atomicAdd(&chunk.tallies[tid], tally[tid]);
+}
+
+}  // namespace
+
+SparseRegion PlanSparseRegion(const LayerConfig& c) {
+  SparseRegion r;
+  if (!c.attention.sparse.enabled) return r;
+  const uint64_t P = SparsePageCount(c), H = c.shape.n_heads, d = c.shape.head_dim;
+  const uint64_t blocks = SparseBlocksPerChunk(c);
+  r.words = static_cast<int>((P + 31) / 32);
+  r.mean_k = 0;
+  r.v_sum = AlignUp(r.mean_k + H * P * d * sizeof(float));
+  r.flags = AlignUp(r.v_sum + H * P * d * sizeof(float));
+  r.exact_bits = AlignUp(r.flags + c.ranges.size());
+  r.pooled_bits = AlignUp(r.exact_bits + blocks * H * r.words * sizeof(uint32_t));
+  r.tallies = AlignUp(r.pooled_bits + blocks * H * r.words * sizeof(uint32_t));
+  r.end = AlignUp(r.tallies + 3 * sizeof(unsigned long long));
+  return r;
+}
+
+Error SparseSupported(const LayerConfig& c) {
+  KVPACK_RETURN_IF_ERROR(ValidateSparse(c.attention.sparse));
+  const int64_t pages = SparsePageCount(c);
+  if (pages > kMaxSparsePagesGpu) {
+    return Unsupported("sparse attention on the GPU: the entry has " + std::to_string(pages) + " pages, more than " +
+                       std::to_string(kMaxSparsePagesGpu) + " (" + std::to_string(int64_t{kMaxSparsePagesGpu} * kPageTokens) +
+                       " tokens)");
+  }
+  return Error::Ok();
+}
+
+Error LaunchPageStats(const KvEntryView& kv, float* mean_k, float* v_sum, cudaStream_t stream) {
+  if (kv.n_pages <= 0) return Error::Ok();
+  PageStatsKernel<<<dim3(kv.n_pages, kv.n_heads), kv.head_dim, 0, stream>>>(kv, mean_k, v_sum);
+  KVPACK_CUDA_RETURN_LAUNCH("sparse page statistics");
+  return Error::Ok();
+}
+
+Error LaunchRoutePages(const SparseChunk& chunk, cudaStream_t stream) {
+  if (chunk.n_blocks <= 0) return Error::Ok();
+  const int P = chunk.attention.kv.n_pages;
+  if (P > kMaxSparsePagesGpu) return Unsupported("sparse attention on the GPU: too many pages");
+  const int smem = RouteSmemBytes(P);
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(RoutePagesKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  RoutePagesKernel<<<dim3(chunk.n_blocks, chunk.attention.kv.n_heads), kRouteThreads, smem, stream>>>(chunk,
+                                                                                                      SortSize(P));
+  KVPACK_CUDA_RETURN_LAUNCH("sparse routing");
+  return Error::Ok();
+}
+
+}  // namespace kvpack::cuda

@@ -1,0 +1,31 @@
+#include "kernels/sparse_plan.h"
+
+#include <algorithm>
+
+namespace kvpack {
+
+int64_t SparsePageCount(const LayerConfig& config) {
+  int64_t pages = 0;
+  for (const TokenRange& r : config.ranges) pages += (r.end - r.begin + kPageTokens - 1) / kPageTokens;
+  return pages;
+}
+
+int64_t SparseQueryRows(const LayerConfig& config) {
+  return std::min(config.shape.n_tokens, config.query_chunk + kSparseQueryBlock - 1);
+}
+
+int64_t SparseBlocksPerChunk(const LayerConfig& config) {
+  const int64_t rows = SparseQueryRows(config);
+  return std::min<int64_t>(SparsePageCount(config),
+                           (rows + kSparseQueryBlock - 1) / kSparseQueryBlock + static_cast<int64_t>(config.ranges.size()));
+}
+
+int64_t SparseChunkEnd(const LayerConfig& config, const std::vector<PageDesc>& pages, int64_t begin) {
+  const int64_t last = std::min(begin + config.query_chunk, config.shape.n_tokens) - 1;
+  auto it = std::upper_bound(pages.begin(), pages.end(), last,
+                             [](int64_t t, const PageDesc& page) { return t < static_cast<int64_t>(page.token_begin); });
+  --it;  // pages tile [0, N) in ascending token_begin, so the page holding `last` precedes it
+  return static_cast<int64_t>(it->token_begin) + it->n_valid;
+}
+
+}  // namespace kvpack
