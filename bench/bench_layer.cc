@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
       "\"q_epilogue_ms\": %.3f, \"attention_ms\": %.3f, \"attention_tflops\": %.1f, \"projection_ms\": %.3f, "
       "\"unchunked_gemm_ms\": %.3f, \"projection_all_ms\": %.3f, \"qkv_gemm_ms\": %.3f, \"layer_gib\": %.4f, \"kv_gib\": %.4f, \"workspace_gib\": %.4f, "
       "\"measured_alloc_gib\": %.4f, \"tp\": %lld, \"tq\": %lld, \"tiling\": \"%s\", \"mma\": \"%s\", "
-      "\"sparse\": \"%s\", \"routed_fraction\": %.4f%s}\n",
+      "\"sparse\": \"%s\", \"routed_fraction\": %.4f, \"routing_ms\": %.3f%s}\n",
       static_cast<long long>(n), hidden, heads, dim, fmt.c_str(), in_place ? 1 : 0, layer_ms, st.stats_ms,
       st.kv_gemm_ms, st.kv_epilogue_ms, st.q_gemm_ms, st.q_epilogue_ms, st.attention_ms,
       flops / (st.attention_ms * 1e-3) / 1e12, projection_ms, gemm_ms, projection_all_ms, qkv_gemm_ms,
@@ -246,7 +246,7 @@ int main(int argc, char** argv) {
       kv_bytes / 1073741824.0, ws_bytes / 1073741824.0, (free_before - free_after) / 1073741824.0,
       static_cast<long long>(config.projection_chunk), static_cast<long long>(config.query_chunk), tiling.c_str(),
       MmaPathName(mma_path), config.attention.sparse.enabled ? ("topk:" + topk).c_str() : "off",
-      config.attention.sparse.enabled ? sparse_report.RoutedFraction() : 1.0, digests);
+      config.attention.sparse.enabled ? sparse_report.RoutedFraction() : 1.0, st.routing_ms, digests);
   cudaFree(x);
   cudaFree(w);
   cublasLtDestroy(ctx.blas);

@@ -57,6 +57,18 @@ struct AttentionParams {
   // The resolved MMA path (ResolveMmaPath: kBf16 or kInt8). kInt8 runs on the wgmma kernel only and
   // REQUIRES that no page is BF16 (LaunchAttention checks the first, the caller the second).
   MmaPath mma = MmaPath::kBf16;
+  // Block-sparse launches (sparse.h) only: the routing of the chunk's query blocks. A routed launch
+  // takes query block b = the queries of page first_page + b (n_blocks of them) instead of n_q rows
+  // from q_token_begin, attends its exact pages and pools the rest (bf16 MMAs).
+  struct Route {
+    uint32_t* exact_bits = nullptr;   // [n_blocks, H, words] exact pages of each (block, head)
+    uint32_t* pooled_bits = nullptr;  // [n_blocks, H, words] pooled pages (both written by the routing)
+    int words = 0;                    // ⌈pages / 32⌉
+    int first_page = 0;
+    int n_blocks = 0;
+    float* mean_k = nullptr;          // [H, pages, d] page statistics (written by LaunchPageStats)
+    float* v_sum = nullptr;           // [H, pages, d]
+  } route;
 };
 
 // OK for head_dim 64 / 128 and a non-empty entry.

@@ -94,6 +94,178 @@ __device__ __forceinline__ void QuantizeQueryTile(const AttentionParams& p, int6
   }
 }
 
+// ── The routed (block-sparse) instance (sparse.h) ───────────────────────────────────────────────
+// A CTA takes query blocks 2·blockIdx.x and 2·blockIdx.x + 1 of the launch (pages first_page + b), one
+// per consumer group. The visible list of a window holds the pages that either block attends exactly,
+// each entry's bits 14–15 saying which (kRoutedMember: bit c = group c); a group masks whole pages it
+// does not route. After the last window one more pass streams the union of the two blocks' pooled
+// pages, 64 per synthetic page (PageDesc::reserved = kSyntheticPage): K rows their mean keys, V rows
+// their V sums (bf16), built by the producers straight into the tiles; key j counts n_j tokens in the
+// softmax sum (weight) and is masked for a group that does not pool its page.
+inline constexpr int kRoutedOffsetBits = 14;
+inline constexpr uint32_t kSyntheticPage = 4;
+
+template <bool kRouted, int kStages>
+struct RoutedState {
+  unsigned long long member[kStages][2];  // synthetic page of stage s: key j pooled by group c
+  uint8_t weight[kStages][kPageTokens];   // its keys' token counts
+  uint16_t pages[kPageTokens];            // the pages of the synthetic page being built
+  int cursor;                             // next page to look at for the pooled union
+  int n_synthetic;
+  int64_t q0[2];                          // per consumer group: launch row of the block's first query,
+  int64_t t0[2];                          // its token (position),
+  int rows[2];                            // its queries (0: no block)
+};
+template <int kStages>
+struct RoutedState<false, kStages> {};
+
+// The routed twin of CollectVisiblePages: pages of [w0, w0 + wn) that either block attends exactly,
+// in page order, with their group bits. Same barriers.
+template <int kThreads, int kWindow>
+__device__ int CollectRoutedPages(const AttentionParams& p, int head, int w0, int wn,
+                                  VisibleScratch<kThreads, kWindow>& scratch) {
+  static_assert(kWindow <= (1 << kRoutedOffsetBits), "offsets below the group bits");
+  constexpr int kPerThread = kWindow / kThreads;
+  const int tid = threadIdx.x;
+  const AttentionParams::Route& route = p.route;
+  const uint32_t* bits[2];
+  for (int c = 0; c < 2; ++c) {
+    const int b = 2 * blockIdx.x + c;
+    bits[c] = b < route.n_blocks ? route.exact_bits + (static_cast<int64_t>(b) * p.kv.n_heads + head) * route.words : nullptr;
+  }
+  uint32_t mine[2] = {0, 0};  // bit i: page tid·kPerThread + i is routed by group c
+  int count = 0;
+  for (int i = 0; i < kPerThread; ++i) {
+    const int idx = tid * kPerThread + i;
+    if (idx >= wn) break;
+    const int pg = w0 + idx;
+    bool any = false;
+    for (int c = 0; c < 2; ++c) {
+      if (bits[c] != nullptr && (bits[c][pg >> 5] >> (pg & 31) & 1u)) mine[c] |= 1u << i, any = true;
+    }
+    count += any;
+  }
+  scratch.counts[tid] = count;
+  __syncthreads();
+  if (tid == 0) {
+    int run = 0;
+    for (int i = 0; i < kThreads; ++i) {
+      const int c = scratch.counts[i];
+      scratch.counts[i] = run;
+      run += c;
+    }
+    scratch.n_visible = run;
+  }
+  __syncthreads();
+  int pos = scratch.counts[tid];
+  for (int i = 0; i < kPerThread; ++i) {
+    const uint32_t member = (mine[0] >> i & 1u) | (mine[1] >> i & 1u) << 1;
+    if (member) scratch.visible[pos++] = static_cast<uint16_t>((tid * kPerThread + i) | member << kRoutedOffsetBits);
+  }
+  const int n_visible = scratch.n_visible;
+  __syncthreads();
+  return n_visible;
+}
+
+// Producer warp 0: the next synthetic page of the pooled union from state.cursor — its pages, their
+// group bits, weights and descriptor (stage s). 32 words (1024 pages) per step, one per lane, so that
+// the bit loads run side by side (thread 0 alone, one dependent load per page, cost H3's layer 0.5 s).
+template <int kStages>
+__device__ void NextSyntheticPage(const AttentionParams& p, int head, int s, RoutedState<true, kStages>& state,
+                                  PageDesc& desc, int lane) {
+  const AttentionParams::Route& route = p.route;
+  const uint32_t* bits[2];
+  for (int c = 0; c < 2; ++c) {
+    const int b = 2 * blockIdx.x + c;
+    bits[c] = b < route.n_blocks ? route.pooled_bits + (static_cast<int64_t>(b) * p.kv.n_heads + head) * route.words : nullptr;
+  }
+  __shared__ uint8_t member_of[kPageTokens];
+  const int cursor = state.cursor;
+  int count = 0, next = p.kv.n_pages;  // pages found; the page after the last one taken
+  for (int w0 = cursor >> 5; w0 < route.words && count < kPageTokens; w0 += 32) {
+    const int w = w0 + lane;
+    uint32_t word[2] = {0, 0};
+    if (w < route.words) {
+      for (int c = 0; c < 2; ++c) word[c] = bits[c] != nullptr ? bits[c][w] : 0u;
+      if (w == cursor >> 5) word[0] &= ~0u << (cursor & 31), word[1] &= ~0u << (cursor & 31);
+    }
+    uint32_t any = word[0] | word[1];
+    const int mine = __popc(any);
+    int before = mine;  // inclusive prefix over lanes
+    for (int o = 1; o < 32; o <<= 1) {
+      const int x = __shfl_up_sync(kFullMask, before, o);
+      if (lane >= o) before += x;
+    }
+    const int total = __shfl_sync(kFullMask, before, 31);
+    int slot = count + before - mine;
+    while (any != 0 && slot < kPageTokens) {
+      const int bit = __ffs(any) - 1;
+      any &= any - 1;
+      const int pg = w * 32 + bit;
+      state.pages[slot] = static_cast<uint16_t>(pg);
+      state.weight[s][slot] = static_cast<uint8_t>(p.kv.pages[pg].n_valid);
+      member_of[slot] = static_cast<uint8_t>((word[0] >> bit & 1u) | (word[1] >> bit & 1u) << 1);
+      if (slot == kPageTokens - 1) next = pg + 1;
+      ++slot;
+    }
+    count += total;
+    next = __reduce_min_sync(kFullMask, static_cast<unsigned>(next));
+  }
+  count = count < kPageTokens ? count : kPageTokens;
+  __syncwarp();
+  unsigned long long member[2] = {0, 0};
+  for (int half = 0; half < 2; ++half) {
+    const int j = half * 32 + lane;
+    const uint8_t m = j < count ? member_of[j] : 0;
+    for (int c = 0; c < 2; ++c) member[c] |= static_cast<unsigned long long>(__ballot_sync(kFullMask, m >> c & 1)) << (32 * half);
+  }
+  if (lane == 0) {
+    state.cursor = next;
+    state.member[s][0] = member[0], state.member[s][1] = member[1];
+    desc = PageDesc{};
+    desc.n_valid = static_cast<uint16_t>(count);
+    desc.format = static_cast<uint8_t>(PageFormat::kBf16);
+    desc.reserved = kSyntheticPage;
+  }
+}
+
+// All producer threads: the synthetic page's tiles from the statistics (rows past its count zero) and
+// its key table (bf16 keys: a_j = c, b_j = 0).
+template <int kDim, int kStages>
+__device__ void BuildSyntheticTiles(const AttentionParams& p, int head, int count, const RoutedState<true, kStages>& state,
+                                    uint8_t* k_tile, uint8_t* v_tile, float2* keys, float scale_log2, int ptid) {
+  const ProducerUnits<kDim> u(ptid);
+  using U = ProducerUnits<kDim>;
+  const int64_t base = static_cast<int64_t>(head) * p.kv.n_pages * kDim;
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+    const int row = u.Row(r);
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) {
+      uint4 k8 = make_uint4(0, 0, 0, 0), v8 = make_uint4(0, 0, 0, 0);
+      if (row < count) {
+        const int64_t at = base + static_cast<int64_t>(state.pages[row]) * kDim + (b * 8 + u.c8) * 8;
+        const float4 ka = *reinterpret_cast<const float4*>(p.route.mean_k + at);
+        const float4 kb = *reinterpret_cast<const float4*>(p.route.mean_k + at + 4);
+        const float4 va = *reinterpret_cast<const float4*>(p.route.v_sum + at);
+        const float4 vb = *reinterpret_cast<const float4*>(p.route.v_sum + at + 4);
+        k8 = make_uint4(PackBf16(ka.x, ka.y), PackBf16(ka.z, ka.w), PackBf16(kb.x, kb.y), PackBf16(kb.z, kb.w));
+        v8 = make_uint4(PackBf16(va.x, va.y), PackBf16(va.z, va.w), PackBf16(vb.x, vb.y), PackBf16(vb.z, vb.w));
+      }
+      *reinterpret_cast<uint4*>(k_tile + u.TileOffset(r, b)) = k8;
+      *reinterpret_cast<uint4*>(v_tile + u.TileOffset(r, b)) = v8;
+    }
+  }
+  if (ptid < kPageTokens) keys[ptid] = make_float2(scale_log2, 0.0f);
+}
+
+// A visible-list entry's page offset (the routed list carries group bits above it).
+template <bool kRouted>
+__device__ __forceinline__ int VisibleOffset(uint16_t entry) {
+  if constexpr (kRouted) return entry & ((1 << kRoutedOffsetBits) - 1);
+  return entry;
+}
+
 // S accumulators as floats: the bf16 path's are floats; the INT8 path's hold int32 until the softmax
 // turns them into floats in the same registers. |S| < 2^22 (127 · 127 · 128 with INT8 keys, 127 · 15 · 128
 // with INT4), so 2^23 + 2^22 + S is exact in fp32 and one integer add and one float subtract convert it.
@@ -104,9 +276,10 @@ __device__ __forceinline__ void SetFloat(uint32_t& d, float v) { d = __float_as_
 __device__ __forceinline__ float AccumulatorValue(float x) { return x; }
 __device__ __forceinline__ float AccumulatorValue(uint32_t s) { return __uint_as_float(s + 0x4B400000u) - 12582912.0f; }
 
-template <int kDim, int kStages, bool kInt8Qk>
+template <int kDim, int kStages, bool kInt8Qk, bool kRouted>
 __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1) AttentionSm90Kernel(const AttentionParams p) {
   using T = Sm90Tile<kDim, kStages, kInt8Qk>;
+  static_assert(!(kInt8Qk && kRouted), "the routed instance runs bf16 MMAs (as the CPU's sparse path)");
   using SAcc = std::conditional_t<kInt8Qk, uint32_t, float>;  // S accumulator registers
   static_assert(T::kProducerThreads == kProducerThreads, "DecodePage's thread layout");
   constexpr int kUnitsPerRow = kDim / 8;  // 16-byte chunks per bf16 row
@@ -120,6 +293,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
   __shared__ uint32_t bf16_exponent;             // kBf16Exponent, see Int4CodesPlus128
   __shared__ float4 key_table[T::kStages][kPageTokens / 2];  // (a_j, b_j, a_j+1, b_j+1): DecodePage
   __shared__ Int8QueryRows<kInt8Qk> q_rows_int8;
+  __shared__ RoutedState<kRouted, kStages> routed;
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
   uint8_t* smem = smem_raw + ((T::kAlign - (SmemAddr(smem_raw) & (T::kAlign - 1))) & (T::kAlign - 1));
   uint8_t* raw = smem + T::kRawOffset;
@@ -133,7 +307,35 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
   const int64_t t0 = p.q_token_begin + q0;  // its token index (= position)
   const int n_pages = p.kv.n_pages;
 
-  if constexpr (kInt8Qk) {
+  if constexpr (kRouted) {  // consumer group c: query block 2·blockIdx.x + c, its rows from its first query
+    if (tid < 2) {
+      const int b = 2 * blockIdx.x + tid;
+      const PageDesc block = b < p.route.n_blocks ? p.kv.pages[p.route.first_page + b] : PageDesc{};
+      routed.t0[tid] = block.token_begin;
+      routed.q0[tid] = block.token_begin - p.q_token_begin;
+      routed.rows[tid] = b < p.route.n_blocks ? block.n_valid : 0;
+    }
+    if (tid == 0) routed.n_synthetic = 0, routed.cursor = 0;
+    __syncthreads();
+    int pooled = 0;  // the pooled union's size, over all threads
+    for (int w = tid; w < p.route.words; w += T::kThreads) {
+      uint32_t u = 0;
+      for (int c = 0; c < 2; ++c) {
+        const int b = 2 * blockIdx.x + c;
+        if (b < p.route.n_blocks) u |= p.route.pooled_bits[(static_cast<int64_t>(b) * p.kv.n_heads + head) * p.route.words + w];
+      }
+      pooled += __popc(u);
+    }
+    if (pooled) atomicAdd(&routed.n_synthetic, pooled);
+    __syncthreads();
+    if (tid == 0) routed.n_synthetic = (routed.n_synthetic + kPageTokens - 1) / kPageTokens;
+    for (int u = tid; u < kTileQueries * kUnitsPerRow; u += T::kThreads) {
+      const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow, c = r / T::kGroupRows, rr = r % T::kGroupRows;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (rr < routed.rows[c]) v = *reinterpret_cast<const uint4*>(p.q + (routed.q0[c] + rr) * p.q_stride + head * kDim + c8 * 8);
+      *reinterpret_cast<uint4*>(smem + c * (T::kQBytes / 2) + SwizzledOffset<T::kGroupRows>(rr, c8)) = v;
+    }
+  } else if constexpr (kInt8Qk) {
     QuantizeQueryTile<T>(p, q0, n_rows, head, smem, q_rows_int8);
   } else {
     for (int u = tid; u < kTileQueries * kUnitsPerRow; u += T::kThreads) {  // Q [2][64][d] → swizzled smem
@@ -150,7 +352,11 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
     MbarInitFence();
   }
   FenceProxyAsync();
-  FindQueryRuns<T::kThreads>(p, t0, n_rows, runs);  // its barriers also publish Q and the mbarriers
+  if constexpr (kRouted) {
+    __syncthreads();  // Q and the mbarriers (the routed instance reads no query runs)
+  } else {
+    FindQueryRuns<T::kThreads>(p, t0, n_rows, runs);  // its barriers also publish Q and the mbarriers
+  }
 
   // ── Main loop: windows of pages; in each, the producer/consumer pipeline over the visible pages ──
   // Each role runs its own copy of the window loop, so that the code after setmaxnreg belongs to one
@@ -159,9 +365,33 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
     SetMaxRegisters<T::kProducerRegisters, false>();
     uint32_t raw_phase = 0;  // bit st: the parity of raw stage st's next completion
     const uint32_t exponent = bf16_exponent;
-    for (int w0 = 0; w0 < n_pages; w0 += T::kWindow) {
+    const int n_end = kRouted ? n_pages + T::kWindow : n_pages;  // routed: one more pass, the pooled pages
+    for (int w0 = 0; w0 < n_end; w0 += T::kWindow) {
+      const bool synthetic = kRouted && w0 >= n_pages;
       const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
-      const int n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
+      int n_visible;
+      if constexpr (kRouted) {
+        n_visible = synthetic ? routed.n_synthetic : CollectRoutedPages(p, head, w0, wn, scratch);
+      } else {
+        n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
+      }
+      if constexpr (kRouted) {
+        if (synthetic) {  // the pooled union, 64 pages per synthetic page, built straight into the tiles
+          for (int i = 0; i < n_visible; ++i) {
+            BarSync(T::kProducerBar, T::kProducerThreads);  // the previous page is built (state.pages free)
+            const int s = i % T::kStages;
+            if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);
+            if (tid < 32) NextSyntheticPage(p, head, s, routed, tile_desc[s], tid);
+            BarSync(T::kProducerBar, T::kProducerThreads);
+            BuildSyntheticTiles<kDim>(p, head, tile_desc[s].n_valid, routed, smem + T::kKOffset + s * T::kKTileBytes,
+                                      smem + T::kVOffset + s * T::kTileBytes, reinterpret_cast<float2*>(key_table[s]),
+                                      scale_log2, tid);
+            FenceProxyAsync();
+            MbarArrive(SmemAddr(&tile_full[s]));
+          }
+          n_visible = 0;  // nothing for the page pipeline below
+        }
+      }
       if (n_visible > 0) {
         // Producers: raw page i+2 arrives while page i is decoded into tile stage i mod kStages. Thread 0
         // reads each page's source one page ahead, starts its bulk copies, and hands its descriptor on
@@ -172,10 +402,11 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           const int st = j % T::kRawStages;
           IssuePageCopy<kDim>(p.kv.pool, source, raw + st * stage_bytes, p.max_page_bytes, SmemAddr(&raw_full[st]));
           raw_desc[st] = source.desc;
-          if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + scratch.visible[j + 1]);
+          if constexpr (kRouted) raw_desc[st].reserved = scratch.visible[j] >> kRoutedOffsetBits;  // group bits
+          if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + VisibleOffset<kRouted>(scratch.visible[j + 1]));
         };
         if (tid == 0) {
-          source = FetchPageSource(p, head, w0 + scratch.visible[0]);
+          source = FetchPageSource(p, head, w0 + VisibleOffset<kRouted>(scratch.visible[0]));
           for (int j = 0; j < T::kRawStages - 1 && j < n_visible; ++j) issue(j);
         }
         for (int i = 0; i < n_visible; ++i) {
@@ -244,9 +475,18 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
     q_sum[r] = sum + __shfl_xor_sync(kFullMask, sum, 2);
   }
   uint32_t full_phase = 0;  // bit s: the parity of tile_full[s]'s next completion
-  for (int w0 = 0; w0 < n_pages; w0 += T::kWindow) {
+  // The routed instance: this group's block (its first token; its rows start at row_base's group).
+  int64_t group_t0 = 0;
+  if constexpr (kRouted) group_t0 = routed.t0[consumer];
+  const int n_end = kRouted ? n_pages + T::kWindow : n_pages;
+  for (int w0 = 0; w0 < n_end; w0 += T::kWindow) {
     const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
-    const int n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
+    int n_visible;
+    if constexpr (kRouted) {
+      n_visible = w0 >= n_pages ? routed.n_synthetic : CollectRoutedPages(p, head, w0, wn, scratch);
+    } else {
+      n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
+    }
     if (n_visible > 0) {
       // Consumers. Descriptors step by adding (byte offset >> 4) to their address field: shared
       // addresses stay below 2^18, so the 14-bit field never carries.
@@ -298,8 +538,40 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           }
         }
         // Masks: invalid slots, other sequences, future keys (causal).
-        const bool need_mask = page.n_valid < kPageTokens || runs.n > 1 ||
-                               (p.visibility.causal && page.token_begin + page.n_valid - 1 > t0);
+        bool weighted = false;  // a synthetic page: key j stands for weight[j] tokens in the sum
+        if constexpr (kRouted) {
+          const int row_in_group = warp_in_group * 16 + g;
+          if (page.reserved & kSyntheticPage) {
+            weighted = true;
+            const unsigned long long member = routed.member[i % T::kStages][consumer];
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                if (!(member >> (n * 8 + 2 * t + (e & 1)) & 1ull)) SetFloat(sc[n][e], -INFINITY);
+              }
+            }
+          } else if (!(page.reserved >> consumer & 1u)) {  // the other block's exact page
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) SetFloat(sc[n][e], -INFINITY);
+            }
+          } else if (page.n_valid < kPageTokens || (p.visibility.causal && page.token_begin + page.n_valid - 1 > group_t0)) {
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int key = n * 8 + 2 * t + (e & 1);
+                const bool ok = key < page.n_valid &&
+                                (!p.visibility.causal || page.token_begin + key <= group_t0 + row_in_group + (e >> 1) * 8);
+                if (!ok) SetFloat(sc[n][e], -INFINITY);
+              }
+            }
+          }
+        }
+        const bool need_mask = !kRouted && (page.n_valid < kPageTokens || runs.n > 1 ||
+                                            (p.visibility.causal && page.token_begin + page.n_valid - 1 > t0));
         if (need_mask) {
 #pragma unroll
           for (int n = 0; n < 8; ++n) {
@@ -332,7 +604,11 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
               const float arg = fmaf(AsFloat(sc[n][e]), row_scale[r], -m_use);
               const float w = kSm90Experiment == Sm90Experiment::kNoExp ? arg : Exp2Ftz(arg);  // noexp: timing only
               SetFloat(sc[n][e], w);
-              row_sum[r] += w;
+              if constexpr (kRouted) {
+                row_sum[r] += weighted ? w * routed.weight[i % T::kStages][n * 8 + 2 * t + (e & 1)] : w;
+              } else {
+                row_sum[r] += w;
+              }
             }
           }
         }
@@ -452,76 +728,98 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
     for (int e = 0; e < 4; ++e) stage_rows[(g + (e >> 1) * 8) * T::kStagePitch + n * 8 + 2 * t + (e & 1)] = o[n][e] * inv[e >> 1];
   }
   __syncwarp();
-  const int warp_rows = n_rows - row_base < 16 ? n_rows - row_base : 16;
-  if (warp_rows > 0) WriteOutputRows<kDim>(p, head, stage_rows, T::kStagePitch, warp_rows, q0 + row_base, lane);
+  if constexpr (kRouted) {
+    const int group_rows = routed.rows[consumer] - warp_in_group * 16;
+    const int warp_rows = group_rows < 16 ? group_rows : 16;
+    if (warp_rows > 0) {
+      WriteOutputRows<kDim>(p, head, stage_rows, T::kStagePitch, warp_rows, routed.q0[consumer] + warp_in_group * 16, lane);
+    }
+  } else {
+    const int warp_rows = n_rows - row_base < 16 ? n_rows - row_base : 16;
+    if (warp_rows > 0) WriteOutputRows<kDim>(p, head, stage_rows, T::kStagePitch, warp_rows, q0 + row_base, lane);
+  }
 }
 
-// The kernel instance that serves (head_dim, max_page_bytes, MMA path): f(dim, stages, int8), each as
-// std::integral_constant, so that every entry point below makes the same choice. The INT8 path's
-// entries hold no BF16 page, so it always takes four stages.
+// The kernel instance that serves (head_dim, max_page_bytes, MMA path, routed): f(dim, stages, int8,
+// routed), each as std::integral_constant, so that every entry point below makes the same choice. The
+// INT8 path's entries hold no BF16 page, so it always takes four stages; routed launches run bf16.
 template <int kValue>
 using Int = std::integral_constant<int, kValue>;
 template <bool kValue>
 using Bool = std::integral_constant<bool, kValue>;
 template <class F>
-auto WithInstance(int head_dim, int max_page_bytes, MmaPath mma, F&& f) {
+auto WithInstance(int head_dim, int max_page_bytes, MmaPath mma, bool routed, F&& f) {
+  if (routed) {
+    if (head_dim == 128) {
+      return Sm90Stages<128>(max_page_bytes) == kSm90DeepStages
+                 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<true>{})
+                 : f(Int<128>{}, Int<2>{}, Bool<false>{}, Bool<true>{});
+    }
+    return f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<true>{});
+  }
   if (mma == MmaPath::kInt8) {
-    return head_dim == 128 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<true>{})
-                           : f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<true>{});
+    return head_dim == 128 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<true>{}, Bool<false>{})
+                           : f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<true>{}, Bool<false>{});
   }
   if (head_dim == 128) {
-    return Sm90Stages<128>(max_page_bytes) == kSm90DeepStages ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<false>{})
-                                                               : f(Int<128>{}, Int<2>{}, Bool<false>{});
+    return Sm90Stages<128>(max_page_bytes) == kSm90DeepStages
+               ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<false>{})
+               : f(Int<128>{}, Int<2>{}, Bool<false>{}, Bool<false>{});
   }
-  return f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<false>{});
+  return f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<false>{});
 }
 
 // Raises the instance's dynamic shared-memory limit to what `max_page_bytes` needs; returns the bytes.
-template <int kDim, int kStages, bool kInt8Qk>
+template <int kDim, int kStages, bool kInt8Qk, bool kRouted>
 Error Prepare(int max_page_bytes, int* smem) {
   *smem = Sm90DynamicSmem<kDim, kStages, kInt8Qk>(max_page_bytes);
-  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(AttentionSm90Kernel<kDim, kStages, kInt8Qk>,
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(AttentionSm90Kernel<kDim, kStages, kInt8Qk, kRouted>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize, *smem));
   return Error::Ok();
 }
 
-template <int kDim, int kStages, bool kInt8Qk>
+template <int kDim, int kStages, bool kInt8Qk, bool kRouted>
 Error Launch(const AttentionParams& p, cudaStream_t stream) {
   int smem = 0;
-  KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages, kInt8Qk>(p.max_page_bytes, &smem)));
-  AttentionSm90Kernel<kDim, kStages, kInt8Qk>
-      <<<AttentionGrid(p), Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, smem, stream>>>(p);
+  KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages, kInt8Qk, kRouted>(p.max_page_bytes, &smem)));
+  // Routed: two query blocks per CTA.
+  const dim3 grid = kRouted ? dim3((p.route.n_blocks + 1) / 2, p.kv.n_heads) : AttentionGrid(p);
+  AttentionSm90Kernel<kDim, kStages, kInt8Qk, kRouted><<<grid, Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, smem, stream>>>(p);
   KVPACK_CUDA_RETURN_LAUNCH("attention sm90 kernel");
   return Error::Ok();
 }
 
-template <int kDim, int kStages, bool kInt8Qk>
+template <int kDim, int kStages, bool kInt8Qk, bool kRouted>
 Error CtasPerSm(const AttentionParams& p, int* ctas) {
   int smem = 0;
-  KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages, kInt8Qk>(p.max_page_bytes, &smem)));
+  KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages, kInt8Qk, kRouted>(p.max_page_bytes, &smem)));
   KVPACK_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      ctas, AttentionSm90Kernel<kDim, kStages, kInt8Qk>, Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, smem));
+      ctas, AttentionSm90Kernel<kDim, kStages, kInt8Qk, kRouted>, Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, smem));
   return Error::Ok();
 }
 
 }  // namespace
 
 int AttentionSm90SharedBytes(int head_dim, int max_page_bytes) {  // the bf16 path's: the larger
-  return WithInstance(head_dim, max_page_bytes, MmaPath::kBf16, [&](auto dim, auto stages, auto int8) {
+  return WithInstance(head_dim, max_page_bytes, MmaPath::kBf16, false, [&](auto dim, auto stages, auto int8, auto) {
     return Sm90DynamicSmem<dim.value, stages.value, int8.value>(max_page_bytes);
   });
 }
 
 Error LaunchAttentionSm90(const AttentionParams& params, cudaStream_t stream) {
-  return WithInstance(params.kv.head_dim, params.max_page_bytes, params.mma, [&](auto dim, auto stages, auto int8) {
-    return Launch<dim.value, stages.value, int8.value>(params, stream);
-  });
+  const bool routed = params.route.n_blocks > 0;
+  if (routed && params.mma == MmaPath::kInt8) return InvalidArgument("routed attention runs bf16 MMAs");
+  return WithInstance(params.kv.head_dim, params.max_page_bytes, params.mma, routed,
+                      [&](auto dim, auto stages, auto int8, auto route) {
+                        return Launch<dim.value, stages.value, int8.value, route.value>(params, stream);
+                      });
 }
 
 Error AttentionSm90CtasPerSm(const AttentionParams& params, int* ctas) {
-  return WithInstance(params.kv.head_dim, params.max_page_bytes, params.mma, [&](auto dim, auto stages, auto int8) {
-    return CtasPerSm<dim.value, stages.value, int8.value>(params, ctas);
-  });
+  return WithInstance(params.kv.head_dim, params.max_page_bytes, params.mma, params.route.n_blocks > 0,
+                      [&](auto dim, auto stages, auto int8, auto route) {
+                        return CtasPerSm<dim.value, stages.value, int8.value, route.value>(params, ctas);
+                      });
 }
 
 }  // namespace kvpack::cuda

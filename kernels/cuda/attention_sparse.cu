@@ -14,6 +14,7 @@
 
 #include "kernels/cuda/attention_device.cuh"
 #include "kernels/cuda/attention_sm80_warp.cuh"
+#include "kernels/cuda/attention_sm90.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/sparse.h"
 
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
   const AttentionParams& p = chunk.attention;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int head = blockIdx.y;
-  const PageDesc block = p.kv.pages[chunk.first_page + blockIdx.x];
+  const PageDesc block = p.kv.pages[chunk.attention.route.first_page + blockIdx.x];
   const int n_rows = block.n_valid;
   const int64_t t0 = block.token_begin;
   const int64_t q0 = t0 - p.q_token_begin;  // launch row of the block's first query
@@ -90,18 +91,18 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
 #pragma unroll
   for (int n = 0; n < T::kONTiles; ++n) w.o[0][n][0] = w.o[0][n][1] = w.o[0][n][2] = w.o[0][n][3] = 0.0f;
   w.row_max[0][0] = w.row_max[0][1] = -INFINITY, w.row_sum[0][0] = w.row_sum[0][1] = 0.0f;
-  const int64_t route = (static_cast<int64_t>(blockIdx.x) * p.kv.n_heads + head) * chunk.words;
-  const uint32_t* exact = chunk.exact_bits + route;
-  const uint32_t* pooled = chunk.pooled_bits + route;
+  const int64_t route = (static_cast<int64_t>(blockIdx.x) * p.kv.n_heads + head) * chunk.attention.route.words;
+  const uint32_t* exact = chunk.attention.route.exact_bits + route;
+  const uint32_t* pooled = chunk.attention.route.pooled_bits + route;
   __syncthreads();
 
   // ── 1. Exact pages ───────────────────────────────────────────────────────────────────────────
   const int stage_bytes = 2 * p.max_page_bytes;
-  int page_index = NextBit(exact, chunk.words, 0);
+  int page_index = NextBit(exact, chunk.attention.route.words, 0);
   if (page_index >= 0) LoadPageAsync<T::kThreads, kDim>(p, head, page_index, raw, tid);
   CpAsyncCommit();
   for (int i = 0; page_index >= 0; ++i) {
-    const int next = NextBit(exact, chunk.words, page_index + 1);
+    const int next = NextBit(exact, chunk.attention.route.words, page_index + 1);
     // Stage (i+1)&1 held page i−1, decoded before the previous iteration's second barrier.
     if (next >= 0) LoadPageAsync<T::kThreads, kDim>(p, head, next, raw + ((i + 1) & 1) * stage_bytes, tid);
     CpAsyncCommit();
@@ -121,14 +122,14 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
   // ── 2. Pooled pages, 64 per synthetic page ───────────────────────────────────────────────────
   AttentionParams pooled_params = p;
   pooled_params.visibility.causal = false;  // pooled pages are wholly visible to the block
-  const float* mean_k = chunk.mean_k + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
-  const float* v_sum = chunk.v_sum + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
+  const float* mean_k = chunk.attention.route.mean_k + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
+  const float* v_sum = chunk.attention.route.v_sum + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
   int from = 0;
   while (true) {
     __syncthreads();  // every warp is done with the tiles (and with group[] of the last round)
     if (tid == 0) {
       int count = 0, pg = from;
-      while (count < kPageTokens && (pg = NextBit(pooled, chunk.words, pg)) >= 0) group[count++] = pg++;
+      while (count < kPageTokens && (pg = NextBit(pooled, chunk.attention.route.words, pg)) >= 0) group[count++] = pg++;
       group_n = count;
       group_next = pg < 0 ? p.kv.n_pages : pg;
     }
@@ -180,7 +181,7 @@ Error Launch(const SparseChunk& chunk, cudaStream_t stream) {
   using T = SparseTile<kDim>;
   const int smem = T::kRawOffset + 2 * 2 * chunk.attention.max_page_bytes;
   KVPACK_CUDA_RETURN(cudaFuncSetAttribute(SparseAttentionKernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  SparseAttentionKernel<kDim><<<dim3(chunk.n_blocks, chunk.attention.kv.n_heads), T::kThreads, smem, stream>>>(chunk);
+  SparseAttentionKernel<kDim><<<dim3(chunk.attention.route.n_blocks, chunk.attention.kv.n_heads), T::kThreads, smem, stream>>>(chunk);
   KVPACK_CUDA_RETURN_LAUNCH("sparse attention");
   return Error::Ok();
 }
@@ -188,7 +189,8 @@ Error Launch(const SparseChunk& chunk, cudaStream_t stream) {
 }  // namespace
 
 Error LaunchSparseAttention(const SparseChunk& chunk, cudaStream_t stream) {
-  if (chunk.n_blocks <= 0) return Error::Ok();
+  if (chunk.attention.route.n_blocks <= 0) return Error::Ok();
+  if (chunk.attention.tiling == AttentionTilingChoice::kWgmma) return LaunchAttentionSm90(chunk.attention, stream);
   switch (chunk.attention.kv.head_dim) {
     case 64:
       return Launch<64>(chunk, stream);

@@ -263,14 +263,18 @@ Error AttendSparse(const LayerConfig& c, const LayerTensors& t, const KvEntryVie
   SparseChunk chunk;
   AttentionParams& a = chunk.attention;
   a = BaseAttentionParams(c, kv, q);
+  // The wgmma kernel's routed instance where the GPU runs it, else the portable kernel; bf16 MMAs.
+  MmaPath dense_mma;
+  KVPACK_RETURN_IF_ERROR(ResolveLayerKernel(c, ctx.attention_tiling, &a.tiling, &dense_mma));
+  a.mma = MmaPath::kBf16;
   chunk.options = c.attention.sparse;
-  chunk.mean_k = reinterpret_cast<float*>(region + r.mean_k);
-  chunk.v_sum = reinterpret_cast<float*>(region + r.v_sum);
+  chunk.attention.route.mean_k = reinterpret_cast<float*>(region + r.mean_k);
+  chunk.attention.route.v_sum = reinterpret_cast<float*>(region + r.v_sum);
   chunk.range_flags = region + r.flags;
   chunk.n_ranges = static_cast<int>(c.ranges.size());
-  chunk.exact_bits = reinterpret_cast<uint32_t*>(region + r.exact_bits);
-  chunk.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
-  chunk.words = r.words;
+  chunk.attention.route.exact_bits = reinterpret_cast<uint32_t*>(region + r.exact_bits);
+  chunk.attention.route.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
+  chunk.attention.route.words = r.words;
   chunk.tallies = reinterpret_cast<unsigned long long*>(region + r.tallies);
 
   KVPACK_RETURN_IF_ERROR(PassGate(gate));
@@ -281,8 +285,8 @@ Error AttendSparse(const LayerConfig& c, const LayerTensors& t, const KvEntryVie
   }
   KVPACK_CUDA_RETURN(cudaMemcpyAsync(region + r.flags, flags.data(), flags.size(), cudaMemcpyHostToDevice, ctx.stream));
   KVPACK_CUDA_RETURN(cudaMemsetAsync(chunk.tallies, 0, 3 * sizeof(unsigned long long), ctx.stream));
-  KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::attention_ms, [&] {
-    return LaunchPageStats(kv, const_cast<float*>(chunk.mean_k), const_cast<float*>(chunk.v_sum), ctx.stream);
+  KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::routing_ms, [&] {
+    return LaunchPageStats(kv, chunk.attention.route.mean_k, chunk.attention.route.v_sum, ctx.stream);
   }));
 
   const std::vector<PageDesc> pages = BuildPageLayout(c.ranges);
@@ -295,12 +299,11 @@ Error AttendSparse(const LayerConfig& c, const LayerTensors& t, const KvEntryVie
     while (last_page < static_cast<int>(pages.size()) && pages[last_page].token_begin < end) ++last_page;
     a.q_token_begin = begin, a.n_q = end - begin;
     a.out = t.out + begin * hd;
-    chunk.first_page = first_page;
-    chunk.n_blocks = last_page - first_page;
-    KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::attention_ms, [&] {
-      KVPACK_RETURN_IF_ERROR(LaunchRoutePages(chunk, ctx.stream));
-      return LaunchSparseAttention(chunk, ctx.stream);
-    }));
+    chunk.attention.route.first_page = first_page;
+    chunk.attention.route.n_blocks = last_page - first_page;
+    KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::routing_ms, [&] { return LaunchRoutePages(chunk, ctx.stream); }));
+    KVPACK_RETURN_IF_ERROR(
+        clock.Time(&StageTimes::attention_ms, [&] { return LaunchSparseAttention(chunk, ctx.stream); }));
     first_page = last_page;
     begin = end;
   }

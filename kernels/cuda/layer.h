@@ -50,6 +50,7 @@ struct StageTimes {
   float q_gemm_ms = 0;        // Q projection GEMMs
   float q_epilogue_ms = 0;    // Q epilogue
   float attention_ms = 0;     // attention kernels
+  float routing_ms = 0;       // block-sparse only: page statistics and routing kernels
 };
 
 struct CudaContext {

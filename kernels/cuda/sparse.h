@@ -8,7 +8,12 @@
 //                     stored queries, scale · centroid · mean_k of every visible page (double dots),
 //                     the forced pages, top-k or rel-tau, the floor — the CPU's RoutePages, bit for
 //                     bit — written as two bitmasks per (block, head): exact and pooled pages.
-//   LaunchSparseAttention  per query chunk, one CTA of 4 warps × 16 rows per (query block, head)
+//   LaunchSparseAttention  per query chunk. On the wgmma kernel's GPUs (sm_90a) its routed instance
+//                     (attention_sm90.cu): a CTA takes two query blocks, one per consumer group, and
+//                     streams the union of their exact pages (each group masks the pages it does not
+//                     route), then the union of their pooled pages 64 at a time as synthetic bf16 pages
+//                     of mean keys and V sums, weighted by token count in the softmax sum. Elsewhere
+//                     one CTA of 4 warps × 16 rows per (query block, head)
 //                     (attention_sparse.cu, mma.sync, every arch): the exact pages in ascending order
 //                     (raw copy, codec decode, S = Q·Kᵀ, masks, online softmax, O += P·V), then the
 //                     pooled pages 64 at a time as one synthetic page of mean keys (bf16) with values
@@ -47,17 +52,11 @@ Error SparseSupported(const LayerConfig& config);
 // What the route and attention kernels of one query chunk read. Device pointers.
 struct SparseChunk {
   AttentionParams attention;       // q = the chunk's stored queries, q_token_begin = its first token,
-                                   // out = its first output row; kv, scale, visibility as the dense path
+                                   // out = its first output row; kv, scale, visibility as the dense path;
+                                   // attention.route: the chunk's blocks, bitmasks and page statistics
   SparseOptions options;
-  int first_page = 0;              // the chunk's blocks are pages first_page … first_page + n_blocks − 1
-  int n_blocks = 0;
-  const float* mean_k = nullptr;   // [H, P, d]
-  const float* v_sum = nullptr;    // [H, P, d]
-  const uint8_t* range_flags = nullptr;  // per range: cpu::kRangeAlwaysAttend | kRangeAttendDensely
+  const uint8_t* range_flags = nullptr;  // per range: kSparseRangeAlwaysAttend | kSparseRangeAttendDensely
   int n_ranges = 0;
-  uint32_t* exact_bits = nullptr;  // [n_blocks, H, words]
-  uint32_t* pooled_bits = nullptr; // [n_blocks, H, words]
-  int words = 0;
   unsigned long long* tallies = nullptr;  // visible, exact, pooled pages (SparseReport), accumulated
 };
 

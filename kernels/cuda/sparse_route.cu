@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseCh
   const SparseOptions& sparse = chunk.options;
   const int P = kv.n_pages, d = kv.head_dim, tid = threadIdx.x;
   const int b = blockIdx.x, h = blockIdx.y;
-  const PageDesc block = kv.pages[chunk.first_page + b];
+  const PageDesc block = kv.pages[chunk.attention.route.first_page + b];
   const int32_t seq = block.seq_id;
   const int n = block.n_valid;
   const int64_t first_pos = block.token_begin, last_pos = first_pos + n - 1;
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseCh
   // Visible pages, scores, forced pages.
   const int diag_first = PageHolding(kv, seq, first_pos), diag_last = PageHolding(kv, seq, last_pos);
   const bool dense_block = diag_first >= 0 && (flag_of(diag_first) & kSparseRangeAttendDensely);
-  const float* mean_k = chunk.mean_k + static_cast<int64_t>(h) * P * d;
+  const float* mean_k = chunk.attention.route.mean_k + static_cast<int64_t>(h) * P * d;
   for (int pg = tid; pg < sort_size; pg += blockDim.x) {
     unsigned long long key = 0;
     if (pg < P) {
@@ -237,9 +237,9 @@ __global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseCh
   __syncthreads();
 
   // The two bitmasks and the tallies.
-  const int64_t base = (static_cast<int64_t>(b) * kv.n_heads + h) * chunk.words;
+  const int64_t base = (static_cast<int64_t>(b) * kv.n_heads + h) * chunk.attention.route.words;
   unsigned long long counts[3] = {0, 0, 0};  // visible, exact, pooled
-  for (int w = tid; w < chunk.words; w += blockDim.x) {
+  for (int w = tid; w < chunk.attention.route.words; w += blockDim.x) {
     uint32_t exact = 0, pooled = 0;
     for (int bit = 0; bit < 32; ++bit) {
       const int pg = w * 32 + bit;
@@ -254,8 +254,8 @@ __global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseCh
     }
     counts[1] += __popc(exact);
     counts[2] += __popc(pooled);
-    chunk.exact_bits[base + w] = exact;
-    chunk.pooled_bits[base + w] = pooled;
+    chunk.attention.route.exact_bits[base + w] = exact;
+    chunk.attention.route.pooled_bits[base + w] = pooled;
   }
   for (int i = 0; i < 3; ++i) {
     if (counts[i]) atomicAdd(&tally[i], counts[i]);
@@ -301,12 +301,12 @@ Error LaunchPageStats(const KvEntryView& kv, float* mean_k, float* v_sum, cudaSt
 }
 
 Error LaunchRoutePages(const SparseChunk& chunk, cudaStream_t stream) {
-  if (chunk.n_blocks <= 0) return Error::Ok();
+  if (chunk.attention.route.n_blocks <= 0) return Error::Ok();
   const int P = chunk.attention.kv.n_pages;
   if (P > kMaxSparsePagesGpu) return Unsupported("sparse attention on the GPU: too many pages");
   const int smem = RouteSmemBytes(P);
   KVPACK_CUDA_RETURN(cudaFuncSetAttribute(RoutePagesKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  RoutePagesKernel<<<dim3(chunk.n_blocks, chunk.attention.kv.n_heads), kRouteThreads, smem, stream>>>(chunk,
+  RoutePagesKernel<<<dim3(chunk.attention.route.n_blocks, chunk.attention.kv.n_heads), kRouteThreads, smem, stream>>>(chunk,
                                                                                                       SortSize(P));
   KVPACK_CUDA_RETURN_LAUNCH("sparse routing");
   return Error::Ok();

@@ -23,6 +23,7 @@
 #include "kernels/cpu/pack.h"
 #include "kernels/cpu/sparse_attention.h"
 #include "kernels/cpu/sparse_layer.h"
+#include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/layer.h"
 #include "tests/kernels/cpu_test_layer.h"
 #include "tests/kernels/cuda_test_layer.h"
@@ -73,6 +74,18 @@ void HeadCosines(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b,
   }
 }
 
+// Whether this GPU (and build) runs the wgmma kernel, whose routed instance then serves sparse launches.
+bool DeviceRunsWgmma() {
+  DeviceCaps caps;
+  AttentionKernelChoice choice;
+  return CurrentDeviceCaps(&caps).ok() &&
+         ChooseAttentionKernel(caps, 64, PageBytes(PageFormat::kInt4, 64), AttentionTilingChoice::kWgmma, &choice).ok();
+}
+
+const char* KernelName(AttentionTilingChoice tiling) {
+  return tiling == AttentionTilingChoice::kWgmma ? "wgmma routed" : "mma.sync";
+}
+
 struct KernelCase {
   const char* name;
   int heads, dim;
@@ -93,7 +106,7 @@ TestLayer KernelLayer(const KernelCase& c) {
   return L;
 }
 
-void RunKernelCase(const KernelCase& c) {
+void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
   TestLayer L = KernelLayer(c);
   const LayerConfig& cfg = L.config;
   const int heads = c.heads, d = c.dim;
@@ -168,17 +181,18 @@ void RunKernelCase(const KernelCase& c) {
   a.kv = MakeKvView(layout, cfg.shape, d_kv.as<uint8_t>(), cfg.transforms);
   a.softmax_scale = scale;
   a.visibility.causal = c.causal;
+  a.tiling = tiling;
   for (const TokenRange& range : cfg.ranges) a.max_page_bytes = std::max(a.max_page_bytes, PageBytes(range.format, d));
   chunk.options = cfg.attention.sparse;
-  chunk.first_page = 0, chunk.n_blocks = P;
-  chunk.mean_k = reinterpret_cast<float*>(region + r.mean_k);
-  chunk.v_sum = reinterpret_cast<float*>(region + r.v_sum);
+  chunk.attention.route.first_page = 0, chunk.attention.route.n_blocks = P;
+  chunk.attention.route.mean_k = reinterpret_cast<float*>(region + r.mean_k);
+  chunk.attention.route.v_sum = reinterpret_cast<float*>(region + r.v_sum);
   chunk.range_flags = region + r.flags, chunk.n_ranges = static_cast<int>(flags.size());
-  chunk.exact_bits = reinterpret_cast<uint32_t*>(region + r.exact_bits);
-  chunk.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
-  chunk.words = r.words;
+  chunk.attention.route.exact_bits = reinterpret_cast<uint32_t*>(region + r.exact_bits);
+  chunk.attention.route.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
+  chunk.attention.route.words = r.words;
   chunk.tallies = reinterpret_cast<unsigned long long*>(region + r.tallies);
-  ASSERT_OK(LaunchPageStats(a.kv, const_cast<float*>(chunk.mean_k), const_cast<float*>(chunk.v_sum), nullptr));
+  ASSERT_OK(LaunchPageStats(a.kv, chunk.attention.route.mean_k, chunk.attention.route.v_sum, nullptr));
   ASSERT_OK(LaunchRoutePages(chunk, nullptr));
   ASSERT_OK(LaunchSparseAttention(chunk, nullptr));
   ASSERT_CUDA(cudaDeviceSynchronize());
@@ -187,10 +201,10 @@ void RunKernelCase(const KernelCase& c) {
   std::vector<uint32_t> exact_bits(static_cast<size_t>(P) * heads * r.words), pooled_bits(exact_bits.size());
   std::vector<uint16_t> gpu_out(n * hd);
   unsigned long long tallies[3];
-  ASSERT_CUDA(cudaMemcpy(gpu_mean_k.data(), chunk.mean_k, gpu_mean_k.size() * 4, cudaMemcpyDeviceToHost));
-  ASSERT_CUDA(cudaMemcpy(gpu_v_sum.data(), chunk.v_sum, gpu_v_sum.size() * 4, cudaMemcpyDeviceToHost));
-  ASSERT_CUDA(cudaMemcpy(exact_bits.data(), chunk.exact_bits, exact_bits.size() * 4, cudaMemcpyDeviceToHost));
-  ASSERT_CUDA(cudaMemcpy(pooled_bits.data(), chunk.pooled_bits, pooled_bits.size() * 4, cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(gpu_mean_k.data(), chunk.attention.route.mean_k, gpu_mean_k.size() * 4, cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(gpu_v_sum.data(), chunk.attention.route.v_sum, gpu_v_sum.size() * 4, cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(exact_bits.data(), chunk.attention.route.exact_bits, exact_bits.size() * 4, cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(pooled_bits.data(), chunk.attention.route.pooled_bits, pooled_bits.size() * 4, cudaMemcpyDeviceToHost));
   ASSERT_CUDA(cudaMemcpy(gpu_out.data(), d_out.as<void>(), gpu_out.size() * 2, cudaMemcpyDeviceToHost));
   ASSERT_CUDA(cudaMemcpy(tallies, chunk.tallies, sizeof(tallies), cudaMemcpyDeviceToHost));
 
@@ -212,10 +226,10 @@ void RunKernelCase(const KernelCase& c) {
   const double rel = RelL2(gpu_out, cpu_out);
   double worst = 0.0, mean = 0.0;
   HeadCosines(gpu_out, cpu_out, n, heads, d, &worst, &mean);
-  std::printf("[%s] routes identical to the CPU's: %s (%lld of %lld differ); routed fraction %.4f (exact %lld, pooled "
+  std::printf("[%s, %s] routes identical to the CPU's: %s (%lld of %lld differ); routed fraction %.4f (exact %lld, pooled "
               "%lld of %lld visible); vs cpu::AttendChunkSparse rel L2 %.5f (tol %.3f), head cosine mean %.6f worst "
               "%.6f (min %.4f)\n",
-              c.name, routes_differ == 0 ? "yes" : "NO", static_cast<long long>(routes_differ),
+              c.name, KernelName(tiling), routes_differ == 0 ? "yes" : "NO", static_cast<long long>(routes_differ),
               static_cast<long long>(P) * heads, cpu_report.RoutedFraction(), static_cast<long long>(tallies[1]),
               static_cast<long long>(tallies[2]), static_cast<long long>(tallies[0]), rel, kSparseVsCpuRelL2, mean,
               worst, kSparseMinCos);
@@ -223,12 +237,18 @@ void RunKernelCase(const KernelCase& c) {
   EXPECT_GE(worst, kSparseMinCos);
 }
 
+// The portable kernel, and the wgmma kernel's routed instance where the GPU runs it.
+void RunKernelCaseEachKernel(const KernelCase& c) {
+  RunKernelCase(c, AttentionTilingChoice::kAuto);
+  if (DeviceRunsWgmma()) RunKernelCase(c, AttentionTilingChoice::kWgmma);
+}
+
 TEST(CudaSparse, TopKD128MatchesTheCpuRouteForRoute) {
   SKIP_WITHOUT_GPU();
   SparseOptions s;
   s.topk_ratio = 0.2f;
   s.sink_pages = 1;
-  RunKernelCase({"topk 0.2, d 128, 1 sink", 2, 128, false, s});
+  RunKernelCaseEachKernel({"topk 0.2, d 128, 1 sink", 2, 128, false, s});
 }
 
 TEST(CudaSparse, RelTauCausalD64MatchesTheCpu) {
@@ -237,7 +257,7 @@ TEST(CudaSparse, RelTauCausalD64MatchesTheCpu) {
   s.mode = SparseMode::kRelTau;
   s.rel_tau = 1.0f;
   s.min_exact_pages = 4;
-  RunKernelCase({"rel-tau 1.0 causal, d 64, floor 4", 3, 64, true, s});
+  RunKernelCaseEachKernel({"rel-tau 1.0 causal, d 64, floor 4", 3, 64, true, s});
 }
 
 TEST(CudaSparse, TailOffCausalD128MatchesTheCpu) {
@@ -246,7 +266,7 @@ TEST(CudaSparse, TailOffCausalD128MatchesTheCpu) {
   s.topk_ratio = 0.1f;
   s.tail = false;
   s.sink_pages = 2;
-  RunKernelCase({"topk 0.1 tail off causal, d 128, 2 sinks", 2, 128, true, s});
+  RunKernelCaseEachKernel({"topk 0.1 tail off causal, d 128, 2 sinks", 2, 128, true, s});
 }
 
 // ── Layer level ─────────────────────────────────────────────────────────────────────────────────
@@ -256,7 +276,7 @@ struct LayerRun {
   SparseReport report;
 };
 
-void RunGpuLayer(TestLayer L, LayerRun* run) {
+void RunGpuLayer(TestLayer L, LayerRun* run, AttentionTilingChoice tiling = AttentionTilingChoice::kAuto) {
   const LayerConfig& cfg = L.config;
   ASSERT_OK(Supported(cfg));
   const int64_t n = cfg.shape.n_tokens, hd = cfg.shape.HeadCols();
@@ -271,6 +291,7 @@ void RunGpuLayer(TestLayer L, LayerRun* run) {
   ASSERT_EQ(cublasLtCreate(&blas), CUBLAS_STATUS_SUCCESS);
   CudaContext ctx;
   ctx.blas = blas;
+  ctx.attention_tiling = tiling;
   const Error e = RunLayer(cfg, t, kv.as<uint8_t>(), ws.as<uint8_t>(), ctx, nullptr, &run->report);
   cublasLtDestroy(blas);
   ASSERT_OK(e);
@@ -303,10 +324,9 @@ TEST(CudaSparse, LayerWithEveryPageRoutedEqualsTheDenseLayer) {
   EXPECT_EQ(all.report.pooled_pages, 0);
 }
 
-TEST(CudaSparse, LayerTopK20MatchesTheCpuLayer) {
-  SKIP_WITHOUT_GPU();
+void LayerTopK20(AttentionTilingChoice tiling) {
   LayerRun gpu, dense;
-  RunGpuLayer(LayerCase(true, 0.2f), &gpu);
+  RunGpuLayer(LayerCase(true, 0.2f), &gpu, tiling);
   RunGpuLayer(LayerCase(false, 1.0f), &dense);
   TestLayer L = LayerCase(true, 0.2f);
   std::vector<uint8_t> kv(cpu::KvBytes(L.config)), ws(cpu::WorkspaceBytes(L.config));
@@ -314,12 +334,18 @@ TEST(CudaSparse, LayerTopK20MatchesTheCpuLayer) {
   ASSERT_TRUE(cpu::RunLayer(L.config, L.Tensors(), kv.data(), ws.data(), cpu::CpuOptions{}, nullptr, &cpu_report).ok());
   const double rel = RelL2(gpu.out, L.x);
   const double vs_dense = RelL2(gpu.out, dense.out);
-  std::printf("[layer, top-k 0.2 + tail, 4 chunks] vs cpu::RunLayer: rel L2 %.5f (tol %.3f); routed fraction GPU %.4f "
-              "CPU %.4f; vs the dense GPU layer: rel L2 %.5f\n",
-              rel, kLayerVsCpuRelL2, gpu.report.RoutedFraction(), cpu_report.RoutedFraction(), vs_dense);
+  std::printf("[layer, top-k 0.2 + tail, 4 chunks, tiling %s] vs cpu::RunLayer: rel L2 %.5f (tol %.3f); routed fraction "
+              "GPU %.4f CPU %.4f; vs the dense GPU layer: rel L2 %.5f\n",
+              tiling == AttentionTilingChoice::kMmaSync ? "mma_sync" : "auto", rel, kLayerVsCpuRelL2, gpu.report.RoutedFraction(), cpu_report.RoutedFraction(), vs_dense);
   EXPECT_LE(rel, kLayerVsCpuRelL2);
   EXPECT_NEAR(gpu.report.RoutedFraction(), cpu_report.RoutedFraction(), kLayerRoutedFractionDiff);
   EXPECT_EQ(gpu.report.visible_pages, cpu_report.visible_pages);
+}
+
+TEST(CudaSparse, LayerTopK20MatchesTheCpuLayer) {
+  SKIP_WITHOUT_GPU();
+  LayerTopK20(AttentionTilingChoice::kAuto);      // the wgmma routed instance on Hopper
+  LayerTopK20(AttentionTilingChoice::kMmaSync);   // the portable kernel
 }
 
 TEST(CudaSparse, SupportedBoundsThePageCount) {
