@@ -271,7 +271,8 @@ KvEntryView MakeKvView(const KvLayout& layout, const LayerShape& shape, const ui
 // ── Shared host-side helpers (layer_spec.cc) ────────────────────────────────────────────────────
 
 // The MMA path of a layer of `config` on a kernel that has every path (mma_path.h ResolveMmaPath over
-// config.attention.mma, its ranges' formats, head_dim and rotation).
+// config.attention.mma, its ranges' formats, head_dim and rotation); kBf16 with sparse attention,
+// whose kernels and reference have the bf16 path only.
 MmaPath ConfigMmaPath(const LayerConfig& config);
 
 // Pages of the token layout: each range split into ceil(len/64) pages, the last one partial.

@@ -276,6 +276,8 @@ Error AttendSparse(const LayerConfig& c, const LayerTensors& t, const KvEntryVie
   chunk.attention.route.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
   chunk.attention.route.words = r.words;
   chunk.tallies = reinterpret_cast<unsigned long long*>(region + r.tallies);
+  chunk.centroids = reinterpret_cast<float*>(region + r.centroids);
+  chunk.scores = reinterpret_cast<float*>(region + r.scores);
 
   KVPACK_RETURN_IF_ERROR(PassGate(gate));
   std::vector<uint8_t> flags(c.ranges.size());

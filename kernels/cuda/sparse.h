@@ -4,15 +4,16 @@
 //   LaunchPageStats   once per layer: per (head, page) mean_k = (1/n) Σ_j k̂_j and v_sum = Σ_j v̂_j of
 //                     the decoded stored rows, double sums in slot order rounded once — bit for bit
 //                     the CPU's ComputePageStats (sparse_route.cu is built without FMA contraction).
-//   LaunchRoutePages  per query chunk, one CTA per (query block, head): the centroid of the block's
-//                     stored queries, scale · centroid · mean_k of every visible page (double dots),
+//   LaunchRoutePages  per query chunk: the centroid of each block's stored queries; centroid · mean_k
+//                     of every (block, page) per head, tiled 32 blocks × 32 pages through shared
+//                     memory (double dots); then one CTA per (query block, head): the visible pages,
 //                     the forced pages, top-k or rel-tau, the floor — the CPU's RoutePages, bit for
 //                     bit — written as two bitmasks per (block, head): exact and pooled pages.
-//   LaunchSparseAttention  per query chunk. On the wgmma kernel's GPUs (sm_90a) its routed instance
-//                     (attention_sm90.cu): a CTA takes two query blocks, one per consumer group, and
-//                     streams the union of their exact pages (each group masks the pages it does not
-//                     route), then the union of their pooled pages 64 at a time as synthetic bf16 pages
-//                     of mean keys and V sums, weighted by token count in the softmax sum. Elsewhere
+//   LaunchSparseAttention  per query chunk. On the wgmma kernel's GPUs (sm_90a, deep ring) its routed
+//                     instance (attention_sm90.cu): a CTA per (query block, head), both consumer groups
+//                     on its rows, splitting its exact pages (even / odd), then its pooled pages 64 at a
+//                     time as synthetic bf16 pages of mean keys and V sums weighted by token count in the
+//                     softmax sum; the two partial states merged at the end. Elsewhere
 //                     one CTA of 4 warps × 16 rows per (query block, head)
 //                     (attention_sparse.cu, mma.sync, every arch): the exact pages in ascending order
 //                     (raw copy, codec decode, S = Q·Kᵀ, masks, online softmax, O += P·V), then the
@@ -24,7 +25,7 @@
 //
 // Memory (SparseRegionBytes, part of the layer's workspace while it attends): the statistics
 // float [H, P, d] × 2, the range flags, exact and pooled bitmasks uint32 [blocks per chunk, H, ⌈P/32⌉]
-// each, three uint64 tallies. The route kernel sorts one (block, head)'s scores in shared memory:
+// each, three uint64 tallies, the chunk's centroids float [blocks, H, d] and scores float [blocks, H, P]. The route kernel sorts one (block, head)'s scores in shared memory:
 // 8 bytes per page rounded up to a power of two, so entries have at most kMaxSparsePagesGpu pages.
 #pragma once
 
@@ -42,7 +43,8 @@ inline constexpr int kMaxSparsePagesGpu = 16384;  // 1,048,576 tokens; sort keys
 
 // Pieces of the sparse region of the workspace (byte offsets from its start).
 struct SparseRegion {
-  uint64_t mean_k = 0, v_sum = 0, flags = 0, exact_bits = 0, pooled_bits = 0, tallies = 0, end = 0;
+  uint64_t mean_k = 0, v_sum = 0, flags = 0, exact_bits = 0, pooled_bits = 0, tallies = 0;
+  uint64_t centroids = 0, scores = 0, end = 0;
   int words = 0;  // uint32 per (block, head) bitmask: ⌈P/32⌉
 };
 SparseRegion PlanSparseRegion(const LayerConfig& config);
@@ -58,6 +60,8 @@ struct SparseChunk {
   const uint8_t* range_flags = nullptr;  // per range: kSparseRangeAlwaysAttend | kSparseRangeAttendDensely
   int n_ranges = 0;
   unsigned long long* tallies = nullptr;  // visible, exact, pooled pages (SparseReport), accumulated
+  float* centroids = nullptr;      // scratch [n_blocks, H, d]
+  float* scores = nullptr;         // scratch [n_blocks, H, pages]
 };
 
 inline constexpr uint8_t kSparseRangeAlwaysAttend = 1;  // = cpu::kRangeAlwaysAttend

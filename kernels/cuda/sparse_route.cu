@@ -124,18 +124,66 @@ __device__ void SortDescending(unsigned long long* keys, int n) {
 
 constexpr uint8_t kExact = 1, kVisible = 2;
 
+// Centroids: one CTA per (query block, head), one thread per channel — the mean of the block's stored
+// bf16 queries, double sums in row order (the CPU's AttendChunkSparse).
+__global__ void CentroidKernel(const AttentionParams p, float* centroids) {
+  const int b = blockIdx.x, h = blockIdx.y, c = threadIdx.x, d = p.kv.head_dim;
+  const PageDesc block = p.kv.pages[p.route.first_page + b];
+  double acc = 0.0;
+  for (int i = 0; i < block.n_valid; ++i) {
+    acc += Bf16ToFloat(p.q[(block.token_begin + i - p.q_token_begin) * p.q_stride + h * d + c]);
+  }
+  centroids[(static_cast<int64_t>(b) * p.kv.n_heads + h) * d + c] = static_cast<float>(acc / block.n_valid);
+}
+
+// Dots centroid · mean_k of every (block, page) of a head: scores[b, h, pg], each a double sum over the
+// channels in order rounded to float (the CPU's DotDouble), not yet scaled. A CTA takes kScoreBlocks
+// blocks × kScorePages pages of one head through shared memory, so each mean key is read once per
+// kScoreBlocks blocks (one CTA per (block, head) reading all of them took 0.2 s on H3's layer).
+constexpr int kScoreBlocks = 32, kScorePages = 32, kScoreThreads = 256;  // 33 KB of static shared memory
+constexpr int kScorePerThread = kScoreBlocks * kScorePages / kScoreThreads;  // pages per thread
+template <int kDim>
+__global__ void __launch_bounds__(kScoreThreads) ScoreKernel(const AttentionParams p, const float* centroids, float* scores) {
+  constexpr int kPitch = kDim + 1;  // floats per row: conflict-free column reads
+  __shared__ float cen[kScoreBlocks][kPitch];
+  __shared__ float keys[kScorePages][kPitch];
+  const int b0 = blockIdx.x * kScoreBlocks, h = blockIdx.y, pg0 = blockIdx.z * kScorePages, tid = threadIdx.x;
+  const int P = p.kv.n_pages, H = p.kv.n_heads;
+  for (int u = tid; u < kScoreBlocks * kDim; u += kScoreThreads) {
+    const int r = u / kDim, c = u % kDim;
+    cen[r][c] = b0 + r < p.route.n_blocks ? centroids[(static_cast<int64_t>(b0 + r) * H + h) * kDim + c] : 0.0f;
+  }
+  for (int u = tid; u < kScorePages * kDim; u += kScoreThreads) {
+    const int r = u / kDim, c = u % kDim;
+    keys[r][c] = pg0 + r < P ? p.route.mean_k[(static_cast<int64_t>(h) * P + pg0 + r) * kDim + c] : 0.0f;
+  }
+  __syncthreads();
+  const int rb = tid / (kScorePages / kScorePerThread), rp = tid % (kScorePages / kScorePerThread);
+  double acc[kScorePerThread] = {};
+  for (int c = 0; c < kDim; ++c) {
+    const double x = cen[rb][c];
+#pragma unroll
+    for (int j = 0; j < kScorePerThread; ++j) acc[j] += x * keys[rp + j * (kScorePages / kScorePerThread)][c];
+  }
+  if (b0 + rb >= p.route.n_blocks) return;
+#pragma unroll
+  for (int j = 0; j < kScorePerThread; ++j) {
+    const int pg = pg0 + rp + j * (kScorePages / kScorePerThread);
+    if (pg < P) scores[(static_cast<int64_t>(b0 + rb) * H + h) * P + pg] = static_cast<float>(acc[j]);
+  }
+}
+
 // One CTA per (query block, head) of the chunk.
-__global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseChunk chunk, int sort_size) {
+__global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseChunk chunk, const float* dots, int sort_size) {
   extern __shared__ unsigned long long keys[];                       // [sort_size]
   uint8_t* mark = reinterpret_cast<uint8_t*>(keys + sort_size);        // [P]: kExact | kVisible
-  __shared__ float centroid[kMaxHeadDimCpu];
   __shared__ int n_visible, n_marked;
   __shared__ unsigned long long tally[3];
   __shared__ double threshold;
   const AttentionParams& p = chunk.attention;
   const KvEntryView& kv = p.kv;
   const SparseOptions& sparse = chunk.options;
-  const int P = kv.n_pages, d = kv.head_dim, tid = threadIdx.x;
+  const int P = kv.n_pages, tid = threadIdx.x;
   const int b = blockIdx.x, h = blockIdx.y;
   const PageDesc block = kv.pages[chunk.attention.route.first_page + b];
   const int32_t seq = block.seq_id;
@@ -147,19 +195,13 @@ __global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseCh
     return r < chunk.n_ranges ? chunk.range_flags[r] : 0;
   };
 
-  // The block's centroid: mean of its stored bf16 queries, double sums in row order.
-  for (int c = tid; c < d; c += blockDim.x) {
-    double acc = 0.0;
-    for (int i = 0; i < n; ++i) acc += Bf16ToFloat(p.q[(first_pos + i - p.q_token_begin) * p.q_stride + h * d + c]);
-    centroid[c] = static_cast<float>(acc / n);
-  }
   if (tid == 0) n_visible = 0, n_marked = 0, tally[0] = tally[1] = tally[2] = 0;
   __syncthreads();
 
   // Visible pages, scores, forced pages.
   const int diag_first = PageHolding(kv, seq, first_pos), diag_last = PageHolding(kv, seq, last_pos);
   const bool dense_block = diag_first >= 0 && (flag_of(diag_first) & kSparseRangeAttendDensely);
-  const float* mean_k = chunk.attention.route.mean_k + static_cast<int64_t>(h) * P * d;
+  const float* dot = dots + (static_cast<int64_t>(b) * kv.n_heads + h) * P;  // ScoreKernel's row
   for (int pg = tid; pg < sort_size; pg += blockDim.x) {
     unsigned long long key = 0;
     if (pg < P) {
@@ -168,12 +210,7 @@ __global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseCh
       if (visibility.PageVisibleToRun(page, seq, last_pos)) {
         const bool partial = !visibility.PageFullyVisibleToBlock(page, seq, first_pos);
         float score = INFINITY;
-        if (!partial) {
-          double s = 0.0;
-          const float* mk = mean_k + static_cast<int64_t>(pg) * d;
-          for (int c = 0; c < d; ++c) s += static_cast<double>(centroid[c]) * mk[c];
-          score = p.softmax_scale * static_cast<float>(s);
-        }
+        if (!partial) score = p.softmax_scale * dot[pg];
         const bool near = (diag_first >= 0 && pg >= diag_first - 1 && pg <= diag_first + 1) ||
                           (diag_last >= 0 && pg >= diag_last - 1 && pg <= diag_last + 1);
         const bool forced = partial || dense_block || near || (flag_of(pg) & kSparseRangeAlwaysAttend);
@@ -278,7 +315,9 @@ SparseRegion PlanSparseRegion(const LayerConfig& c) {
   r.exact_bits = AlignUp(r.flags + c.ranges.size());
   r.pooled_bits = AlignUp(r.exact_bits + blocks * H * r.words * sizeof(uint32_t));
   r.tallies = AlignUp(r.pooled_bits + blocks * H * r.words * sizeof(uint32_t));
-  r.end = AlignUp(r.tallies + 3 * sizeof(unsigned long long));
+  r.centroids = AlignUp(r.tallies + 3 * sizeof(unsigned long long));
+  r.scores = AlignUp(r.centroids + blocks * H * d * sizeof(float));
+  r.end = AlignUp(r.scores + blocks * H * P * sizeof(float));
   return r;
 }
 
@@ -301,13 +340,24 @@ Error LaunchPageStats(const KvEntryView& kv, float* mean_k, float* v_sum, cudaSt
 }
 
 Error LaunchRoutePages(const SparseChunk& chunk, cudaStream_t stream) {
-  if (chunk.attention.route.n_blocks <= 0) return Error::Ok();
-  const int P = chunk.attention.kv.n_pages;
+  const AttentionParams& a = chunk.attention;
+  const int blocks = a.route.n_blocks, P = a.kv.n_pages, H = a.kv.n_heads, d = a.kv.head_dim;
+  if (blocks <= 0) return Error::Ok();
   if (P > kMaxSparsePagesGpu) return Unsupported("sparse attention on the GPU: too many pages");
+  CentroidKernel<<<dim3(blocks, H), d, 0, stream>>>(a, chunk.centroids);
+  KVPACK_CUDA_RETURN_LAUNCH("sparse centroids");
+  const dim3 tiles((blocks + kScoreBlocks - 1) / kScoreBlocks, H, (P + kScorePages - 1) / kScorePages);
+  if (d == 128) {
+    ScoreKernel<128><<<tiles, kScoreThreads, 0, stream>>>(a, chunk.centroids, chunk.scores);
+  } else if (d == 64) {
+    ScoreKernel<64><<<tiles, kScoreThreads, 0, stream>>>(a, chunk.centroids, chunk.scores);
+  } else {
+    return Unsupported("sparse attention: head_dim must be 64 or 128");
+  }
+  KVPACK_CUDA_RETURN_LAUNCH("sparse scores");
   const int smem = RouteSmemBytes(P);
   KVPACK_CUDA_RETURN(cudaFuncSetAttribute(RoutePagesKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  RoutePagesKernel<<<dim3(chunk.attention.route.n_blocks, chunk.attention.kv.n_heads), kRouteThreads, smem, stream>>>(chunk,
-                                                                                                      SortSize(P));
+  RoutePagesKernel<<<dim3(blocks, H), kRouteThreads, smem, stream>>>(chunk, chunk.scores, SortSize(P));
   KVPACK_CUDA_RETURN_LAUNCH("sparse routing");
   return Error::Ok();
 }

@@ -192,6 +192,8 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
   chunk.attention.route.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
   chunk.attention.route.words = r.words;
   chunk.tallies = reinterpret_cast<unsigned long long*>(region + r.tallies);
+  chunk.centroids = reinterpret_cast<float*>(region + r.centroids);
+  chunk.scores = reinterpret_cast<float*>(region + r.scores);
   ASSERT_OK(LaunchPageStats(a.kv, chunk.attention.route.mean_k, chunk.attention.route.v_sum, nullptr));
   ASSERT_OK(LaunchRoutePages(chunk, nullptr));
   ASSERT_OK(LaunchSparseAttention(chunk, nullptr));
