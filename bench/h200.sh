@@ -21,7 +21,7 @@
 #     EPI_PROFILE=1    Nsight Compute of one K/V row-epilogue launch
 #     TQ_SWEEP="4096" / TP_SWEEP="2048 8192"   the INT4 layer at other query / projection chunks
 # daemon: from `shared/tools/bundle-binaries BUNDLE kvpackd daemon_ipc_bench bench_layer cuda_daemon_test
-#   cuda_layer_test cuda_interleave_test`: the CUDA kernel and daemon tests, one layer through kvpackd with
+#   cuda_layer_test cuda_head_choice_test cuda_interleave_test`: the CUDA kernel and daemon tests, one layer through kvpackd with
 #   CUDA IPC next to the same layer called directly (N = 32768 and H3, in place too), the chunk-interleaving
 #   test (QUICK=1: N = 32768 only), and (WHEELS=.whl: grpcio/protobuf wheels; stubs generated beforehand into
 #   client/python/kvpack/v1) the Python tests of kvpack.torch: CUDA IPC by segment, stream order,
@@ -45,12 +45,14 @@ finish() { tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
 trap finish EXIT
 
 # ── kernels ─────────────────────────────────────────────────────────────────────────────────────────
-build_tree() {  # tree build_dir [cmake args...]: kernels, the CUDA layer test, bench_layer
+build_tree() {  # tree build_dir [cmake args...]: kernels, the CUDA layer tests, bench_layer
   local tree=$1 dir=$2; shift 2
   local gtest=${KVPACK_GTEST_SOURCE_DIR:-$(realpath "$ROOT/.carry/googletest" 2>/dev/null)}
   cmake -S "$tree" -B "$dir" -G Ninja -DKVPACK_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release \
-    -DKVPACK_GTEST_SOURCE_DIR="$gtest" "$@" >"$dir.log" 2>&1 &&
-    ninja -C "$dir" -j16 kvpack_cuda cuda_layer_test bench_layer >>"$dir.log" 2>&1
+    -DKVPACK_GTEST_SOURCE_DIR="$gtest" "$@" >"$dir.log" 2>&1 || return 1
+  local extra=""  # the per-head choice's GPU test, in trees that have it
+  ninja -C "$dir" -t targets all 2>/dev/null | grep -q '^cuda_head_choice_test:' && extra=cuda_head_choice_test
+  ninja -C "$dir" -j16 kvpack_cuda cuda_layer_test $extra bench_layer >>"$dir.log" 2>&1
 }
 bench() {  # label build_dir n heads dim format [bench_layer flags]
   timeout 120 "$2/bench/bench_layer" --n=$3 --hidden=7168 --heads=$4 --dim=$5 --format=$6 --tiling=wgmma --gemm=0 \
@@ -80,8 +82,12 @@ run_kernels() {
   done
   grep -E "FAILED|Expected|Which is" "$LOGS/tests-new.log" | head -20 | tee -a "$SUMMARY"
   if [[ -n "${BASE:-}" ]]; then
-    if [[ -s "$LOGS/digests-new.txt" ]] && diff -q "$LOGS/digests-new.txt" "$LOGS/digests-base.txt" >/dev/null; then
-      say "DIGESTS (cuda_layer_test, $(wc -l <"$LOGS/digests-new.txt") cases × kernels): same"
+    # Every base line must be in the new tree's digests; lines only in the new tree are its new cases.
+    local missing added
+    missing=$(comm -23 "$LOGS/digests-base.txt" "$LOGS/digests-new.txt" | wc -l)
+    added=$(comm -13 "$LOGS/digests-base.txt" "$LOGS/digests-new.txt" | wc -l)
+    if [[ -s "$LOGS/digests-new.txt" && $missing -eq 0 ]]; then
+      say "DIGESTS (gpu tests, $(wc -l <"$LOGS/digests-base.txt") base cases × kernels): same; $added lines of cases new in this tree"
     else
       say "DIGESTS (cuda_layer_test): DIFFER"; diff "$LOGS/digests-base.txt" "$LOGS/digests-new.txt" | head -20 | tee -a "$SUMMARY"
     fi
@@ -157,7 +163,7 @@ run_daemon() {
   local B; B=$(cd "${1:?daemon mode needs a bundle dir}" && pwd)
   export KVPACKD="$B/bin/kvpackd"
   export LD_LIBRARY_PATH="$B/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  for t in cuda_layer_test cuda_daemon_test cuda_interleave_test; do
+  for t in cuda_layer_test cuda_head_choice_test cuda_daemon_test cuda_interleave_test; do
     [[ -x "$B/bin/$t" ]] || continue
     timeout 300 "$B/bin/$t" >"$LOGS/$t.log" 2>&1
     say "$t exit $?: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$LOGS/$t.log" | tr '\n' ' ')"
