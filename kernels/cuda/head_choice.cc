@@ -46,24 +46,60 @@ bool ChoosesPerHead(const LayerConfig& c) {
 
 uint64_t ChoiceScratchBytes(const LayerConfig& c) { return ChoosesPerHead(c) ? PlanChoiceScratch(c).end : 0; }
 
+EstimateSampleRows PlanEstimateSample(const LayerConfig& c) {
+  const int64_t n = c.shape.n_tokens, s = cpu::StatsSampleCount(n, c.transforms);
+  EstimateSampleRows r;
+  r.n_sample = s;
+  r.key_index.resize(EstimateKeyCount(s));
+  r.query_token.resize(EstimateQueryCount(s));
+  for (size_t j = 0; j < r.key_index.size(); ++j) r.key_index[j] = EstimateKeyIndex(static_cast<int64_t>(j), s);
+  for (size_t i = 0; i < r.query_token.size(); ++i) {
+    r.query_token[i] = cpu::StatsSampleToken(EstimateQueryIndex(static_cast<int64_t>(i), s), n, s);
+  }
+  return r;
+}
+
+cpu::TransformRecord ChooseFromEstimateSample(const LayerConfig& c, const EstimateSampleRows& rows,
+                                              const float* keys, const float* queries, KvStats* stats) {
+  const int64_t n = c.shape.n_tokens, s = rows.n_sample, hd = c.shape.HeadCols();
+  const int d = c.shape.head_dim;
+  std::vector<int64_t> key_slot(s, -1), query_slot(s, -1);  // sample index → row of keys / queries
+  for (size_t j = 0; j < rows.key_index.size(); ++j) key_slot[rows.key_index[j]] = static_cast<int64_t>(j);
+  for (size_t i = 0; i < rows.query_token.size(); ++i) {
+    query_slot[EstimateQueryIndex(static_cast<int64_t>(i), s)] = static_cast<int64_t>(i);
+  }
+  const cpu::SampleRowFn key_row = [&](int64_t i, int h, float* k_row, float* v_row) {
+    const float* row = keys + key_slot[i] * 2 * hd + static_cast<int64_t>(h) * d;
+    std::copy(row, row + d, k_row);
+    std::copy(row + hd, row + hd + d, v_row);
+  };
+  const cpu::QueryRowFn query_row = [&](int64_t i, int h, float* q_row) {
+    const float* row = queries + query_slot[i] * hd + static_cast<int64_t>(h) * d;
+    std::copy(row, row + d, q_row);
+  };
+  const cpu::TokenPageMap ranges(c.ranges);
+  return cpu::ChooseTransforms(
+      s, s, c.shape, c.transforms, c.attention.softmax_scale, key_row, query_row,
+      [&](int64_t i) { return c.ranges[ranges.RangeOf(cpu::StatsSampleToken(i, n, s))].format; }, stats,
+      /*n_threads=*/0);
+}
+
 Error ChooseHeadTransformsFromDevice(const LayerConfig& c, const LayerTensors& t, const RowEpilogueParams& base,
                                      const float* sample, const KvLayout& layout, uint8_t* kv, uint8_t* scratch,
                                      cublasLtHandle_t blas, void* blas_workspace, cudaStream_t stream) {
   const ChoiceScratch sp = PlanChoiceScratch(c);
-  const int64_t n = c.shape.n_tokens, s = sp.n_sample, hd = c.shape.HeadCols(), hidden = c.shape.hidden;
+  const int64_t hd = c.shape.HeadCols(), hidden = c.shape.hidden;
   int64_t* d_key_index = reinterpret_cast<int64_t*>(scratch + sp.key_index);
   int64_t* d_query_token = reinterpret_cast<int64_t*>(scratch + sp.query_token);
   float* d_queries = reinterpret_cast<float*>(scratch + sp.queries);
   float* d_keys = reinterpret_cast<float*>(scratch + sp.keys);
 
   // ── 1. Keys: rows of the pre-pass sample ──────────────────────────────────────────────────────
-  std::vector<int64_t> key_index(sp.n_keys), query_token(sp.n_queries);
-  for (int64_t j = 0; j < sp.n_keys; ++j) key_index[j] = EstimateKeyIndex(j, s);
-  for (int64_t i = 0; i < sp.n_queries; ++i) query_token[i] = cpu::StatsSampleToken(EstimateQueryIndex(i, s), n, s);
-  KVPACK_CUDA_RETURN(cudaMemcpyAsync(d_key_index, key_index.data(), key_index.size() * sizeof(int64_t),
+  const EstimateSampleRows rows = PlanEstimateSample(c);
+  KVPACK_CUDA_RETURN(cudaMemcpyAsync(d_key_index, rows.key_index.data(), rows.key_index.size() * sizeof(int64_t),
                                      cudaMemcpyHostToDevice, stream));
-  KVPACK_CUDA_RETURN(cudaMemcpyAsync(d_query_token, query_token.data(), query_token.size() * sizeof(int64_t),
-                                     cudaMemcpyHostToDevice, stream));
+  KVPACK_CUDA_RETURN(cudaMemcpyAsync(d_query_token, rows.query_token.data(),
+                                     rows.query_token.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream));
   // A float row of 2·H·d values moves as 4·H·d 16-bit halves: the gather copies bytes, 16 at a time.
   KVPACK_RETURN_IF_ERROR(LaunchGatherRows(reinterpret_cast<const uint16_t*>(sample), 4 * hd, d_key_index, sp.n_keys,
                                           reinterpret_cast<uint16_t*>(d_keys), stream));
@@ -107,24 +143,7 @@ Error ChooseHeadTransformsFromDevice(const LayerConfig& c, const LayerTensors& t
   KVPACK_CUDA_RETURN(cudaStreamSynchronize(stream));
 
   // ── 4. The choice: the CPU layer's driver, asked for the same sample indices ──────────────────
-  std::vector<int64_t> key_slot(s, -1), query_slot(s, -1);  // sample index → row of keys / queries
-  for (int64_t j = 0; j < sp.n_keys; ++j) key_slot[key_index[j]] = j;
-  for (int64_t i = 0; i < sp.n_queries; ++i) query_slot[EstimateQueryIndex(i, s)] = i;
-  const int d = c.shape.head_dim;
-  const cpu::SampleRowFn key_row = [&](int64_t i, int h, float* k_row, float* v_row) {
-    const float* row = keys.data() + key_slot[i] * 2 * hd + static_cast<int64_t>(h) * d;
-    std::copy(row, row + d, k_row);
-    std::copy(row + hd, row + hd + d, v_row);
-  };
-  const cpu::QueryRowFn query_row = [&](int64_t i, int h, float* q_row) {
-    const float* row = queries.data() + query_slot[i] * hd + static_cast<int64_t>(h) * d;
-    std::copy(row, row + d, q_row);
-  };
-  const cpu::TokenPageMap ranges(c.ranges);
-  const cpu::TransformRecord record = cpu::ChooseTransforms(
-      s, s, c.shape, c.transforms, c.attention.softmax_scale, key_row, query_row,
-      [&](int64_t i) { return c.ranges[ranges.RangeOf(cpu::StatsSampleToken(i, n, s))].format; }, &stats,
-      /*n_threads=*/0);
+  const cpu::TransformRecord record = ChooseFromEstimateSample(c, rows, keys.data(), queries.data(), &stats);
 
   // ── 5. The chosen tables and the record into the entry ────────────────────────────────────────
   // Pageable sources: each copy has read its source when cudaMemcpyAsync returns.

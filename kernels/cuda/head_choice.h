@@ -29,7 +29,9 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
+#include "kernels/cpu/stats.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/row_epilogue.h"
 #include "kernels/error.h"
@@ -45,6 +47,22 @@ bool ChoosesPerHead(const LayerConfig& config);
 // Device scratch of the choice (0 when !ChoosesPerHead): the index tables, the gathered x rows and
 // GEMM output of the queries (x + W input only), the float queries and the gathered float keys.
 uint64_t ChoiceScratchBytes(const LayerConfig& config);
+
+// Which rows form the estimate's sample (steps 1–2): for S = StatsSampleCount sampled tokens, the
+// pre-pass sample rows of the keys and the tokens of the queries.
+struct EstimateSampleRows {
+  int64_t n_sample = 0;              // S
+  std::vector<int64_t> key_index;    // [min(S, kEstimateKeys)] EstimateKeyIndex(j, S)
+  std::vector<int64_t> query_token;  // [min(S, kEstimateQueries)] token of sample EstimateQueryIndex(i, S)
+};
+EstimateSampleRows PlanEstimateSample(const LayerConfig& config);
+
+// Step 4 on host rows: keys [n_keys, 2·H·d] (row j: K | V of pre-pass sample key_index[j]) and
+// queries [n_q, H·d] (row i: Q of query_token[i]), all after bias / QK-norm / RoPE; `stats` holds the
+// pre-pass tables on entry and the chosen ones on return. Host-only (no device): what ProjectKv
+// runs after its copy, and what a test can feed the CPU layer's own rows to.
+cpu::TransformRecord ChooseFromEstimateSample(const LayerConfig& config, const EstimateSampleRows& rows,
+                                              const float* keys, const float* queries, KvStats* stats);
 
 // Steps 1–5 above. `base`: the row epilogue parameters of the layer (bias, norms, RoPE, positions)
 // with nothing of a mode set; `sample` the pre-pass's float K | V [S, 2·H·d] (device); `scratch`

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -248,6 +249,51 @@ TEST(CudaHeadChoice, SinkHeadsInt4ChooseAsTheCpu) {
 TEST(CudaHeadChoice, SinkHeadsInt8ChooseAsTheCpu) {
   SKIP_WITHOUT_GPU();
   RunSinkCase(PageFormat::kInt8, {kInt8ChosenMeanCos, kInt8ChosenWorstCos, kInt8FixedMeanCosBelow});
+}
+
+// The host half of the GPU's choice (ChooseFromEstimateSample, no device) fed the CPU layer's own
+// rows — picked by PlanEstimateSample, laid out as the device copies them — records exactly what the
+// CPU layer records: flags, estimates and chosen tables bit for bit. Two ranges of two formats, so
+// each key's format is looked up too.
+TEST(CudaHeadChoice, HostHalfOnTheCpuRowsIsTheCpuLayersChoice) {
+  constexpr int64_t kTokens = 2048;
+  constexpr int kHeads = 8, kDim = 64;
+  const Qkv in = SinkData(kTokens, kHeads, kDim);
+  LayerConfig cfg = SinkConfig(kTokens, kHeads, kDim, PageFormat::kInt4, true);
+  cfg.ranges = {{0, 1000, 0, PageFormat::kInt4}, {1000, kTokens, 0, PageFormat::kInt8}};
+  std::vector<uint8_t> block(cpu::KvBytes(cfg)), ws(cpu::WorkspaceBytes(cfg));
+  std::vector<uint16_t> out(in.q.size());
+  LayerTensors t;
+  t.q = in.q.data(), t.k = in.k.data(), t.v = in.v.data(), t.out = out.data();
+  ASSERT_OK(cpu::RunLayer(cfg, t, block.data(), ws.data(), cpu::CpuOptions{}, nullptr));
+
+  const EstimateSampleRows rows = PlanEstimateSample(cfg);
+  ASSERT_EQ(rows.n_sample, 1024);
+  ASSERT_EQ(rows.key_index.size(), 512u);
+  ASSERT_EQ(rows.query_token.size(), 32u);
+  const int64_t hd = cfg.shape.HeadCols();
+  std::vector<float> keys(rows.key_index.size() * 2 * hd), queries(rows.query_token.size() * hd);
+  for (size_t j = 0; j < rows.key_index.size(); ++j) {
+    const int64_t token = cpu::StatsSampleToken(rows.key_index[j], kTokens, rows.n_sample);
+    std::copy(&in.kf[token * hd], &in.kf[token * hd] + hd, &keys[j * 2 * hd]);
+    std::copy(&in.vf[token * hd], &in.vf[token * hd] + hd, &keys[j * 2 * hd + hd]);
+  }
+  for (size_t i = 0; i < rows.query_token.size(); ++i) {
+    std::copy(&in.qf[rows.query_token[i] * hd], &in.qf[rows.query_token[i] * hd] + hd, &queries[i * hd]);
+  }
+  KvStats stats = cpu::ComputeStats(in.kf.data(), in.vf.data(), cfg.shape, cfg.transforms);
+  const cpu::TransformRecord record = ChooseFromEstimateSample(cfg, rows, keys.data(), queries.data(), &stats);
+
+  const KvLayout layout = PlanKvLayout(cfg.shape, cfg.ranges);
+  EXPECT_EQ(0, std::memcmp(record.head_flags.data(), block.data() + layout.head_flags_offset, kHeads * 4));
+  EXPECT_EQ(0, std::memcmp(record.head_estimates.data(), block.data() + layout.head_estimates_offset,
+                           record.head_estimates.size() * 4));
+  const std::vector<float>* tables[4] = {&stats.mu_k, &stats.mu_v, &stats.lambda, &stats.lambda_v};
+  const uint64_t offsets[4] = {layout.mu_k_offset, layout.mu_v_offset, layout.lambda_offset, layout.lambda_v_offset};
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(0, std::memcmp(tables[i]->data(), block.data() + offsets[i], hd * 4)) << i;
+  int chosen_differently = 0;  // the sink heads must not keep the options' full set (flags 0x1b)
+  for (int h = 0; h < kHeads; ++h) chosen_differently += (record.head_flags[h] & 0xff) != FixedHeadFlags(cfg.transforms);
+  EXPECT_GE(chosen_differently, kHeads / 2);
 }
 
 // What needs no GPU: when the layer chooses, and that the choice's sample has room in the workspace.
