@@ -55,8 +55,10 @@ build_tree() {  # tree build_dir [cmake args...]: kernels, the CUDA layer tests,
   ninja -C "$dir" -j16 kvpack_cuda cuda_layer_test $extra bench_layer >>"$dir.log" 2>&1
 }
 bench() {  # label build_dir n heads dim format [bench_layer flags]
+  # --choose_per_head=0 (trees before it ignore the flag), so that the new tree's digests and times
+  # compare with a base tree's; the "choose" row below times the per-head choice (its stats_ms).
   timeout 120 "$2/bench/bench_layer" --n=$3 --hidden=7168 --heads=$4 --dim=$5 --format=$6 --tiling=wgmma --gemm=0 \
-    --reps=2 --digest=1 ${7:-} 2>>"$LOGS/bench.err" | sed "s/^{/{\"tree\": \"$1\", /" >>"$OUT/times.jsonl"
+    --reps=2 --digest=1 --choose_per_head=0 ${7:-} 2>>"$LOGS/bench.err" | sed "s/^{/{\"tree\": \"$1\", /" >>"$OUT/times.jsonl"
 }
 sass_counts() {  # object: instruction counts of the sm90 kernel
   cuobjdump --dump-sass "$1" >"$1.sass" 2>/dev/null
@@ -98,6 +100,7 @@ run_kernels() {
     [[ -n "${BASE:-}" ]] && bench base /tmp/kb-base 32768 $shape
   done
   [[ -n "${BASE:-}" ]] && bench new2 /tmp/kb-new 32768 56 128 int4  # the spread of one tree between calls
+  bench choose /tmp/kb-new 32768 56 128 int4 "--choose_per_head=1"  # the per-head choice's cost (stats_ms)
   for m in ${MMA:-}; do
     for shape in "56 128 int4" "56 128 int8" "112 64 int4"; do bench "mma-$m" /tmp/kb-new 32768 $shape "--mma=$m"; done
     [[ -n "${H3:-}" ]] && bench "mma-$m" /tmp/kb-new 152263 56 128 int4 "--mma=$m"
@@ -136,7 +139,7 @@ run_kernels() {
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section WarpStateStats --section InstructionStats --section SourceCounters --section SchedulerStats \
       -o /tmp/epi /tmp/kb-new/bench/bench_layer --n=8192 --hidden=7168 --heads=56 --dim=128 --format=int4 \
-      --tiling=wgmma --gemm=0 --reps=1 >>"$LOGS/ncu.log" 2>&1
+      --tiling=wgmma --gemm=0 --reps=1 --choose_per_head=0 >>"$LOGS/ncu.log" 2>&1  # skip 1: the K/V epilogue
     "$ncu" --import /tmp/epi.ncu-rep --print-details all >"$OUT/epi_details.txt" 2>&1
   fi
   python3 - "$OUT/times.jsonl" <<'PY' | tee -a "$SUMMARY"
