@@ -120,7 +120,7 @@ run_kernels() {
   fi
   if [[ -n "${SANITIZE:-}" ]]; then
     timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 /tmp/kb-new/tests/kernels/cuda_layer_test \
-      --gtest_filter='*Int4OneSequence*:*MixedFormatsSequences*:*Bf16Causal*:*MixedFormatsWide*:*Int8Mma*' >"$LOGS/sanitizer.log" 2>&1
+      --gtest_filter='*Int4OneSequence*:*MixedFormatsSequences*:*Bf16Causal*:*MixedFormatsWide*:*Int8Mma*:*PerHeadChoice*' >"$LOGS/sanitizer.log" 2>&1
     say "compute-sanitizer memcheck exit $?: $(grep 'ERROR SUMMARY' "$LOGS/sanitizer.log" | tail -1)"
   fi
   local ncu; ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
