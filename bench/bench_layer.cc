@@ -3,7 +3,7 @@
 //   bench_layer --n=32768 --hidden=7168 --heads=56 --dim=128 --format=int4 [--in_place=1] [--reps=3]
 //               [--tp=4096] [--tq=4096] [--tiling=auto|mma_sync|tall|wide|wgmma] [--mma=auto|bf16|int8]
 //               [--rows_out=/tmp/rows.bin] [--gemm=1]
-//               [--digest=1] [--topk=0.2 [--sinks=1] [--text=0]]
+//               [--digest=1] [--choose_per_head=1] [--topk=0.2 [--sinks=1] [--text=0]]
 //
 // Prints one JSON line: median layer time over --reps timed runs (inputs refilled before each, so an
 // in-place run never reads its own output), per-stage times of one instrumented run, attention
@@ -14,6 +14,9 @@
 // 64 evenly spaced output rows (bf16 [64, H·d]) for torch_baseline.py's error check. --digest adds
 // FNV-1a digests of the packed K/V block and the whole output of the instrumented run (kv_digest,
 // out_digest), so that two builds that must agree bit for bit can be compared at full size.
+// --choose_per_head (default 1, as a request's TransformOptions) runs the per-head transform choice
+// (kernels/cuda/head_choice.h): its host work shows in stats_ms; 0 keeps every transform, the layer of
+// trees that predate the choice.
 // --topk runs the block-sparse path (kernels/cuda/sparse.h) with that top-k ratio, --sinks leading
 // pages always exact and --text leading tokens in an always-attended range; attention_tflops is then
 // the dense-equivalent rate (4·N²·d per head over the sparse time) and routed_fraction is printed.
@@ -98,6 +101,7 @@ int main(int argc, char** argv) {
   // the layer runs a smaller chunk as it is, so 4096 would leave its last wave 58% idle).
   config.query_chunk = std::stoll(get("tq", "4224"));
   config.in_place = in_place;
+  config.transforms.choose_per_head = get("choose_per_head", "1") != "0";
   const std::string mma = get("mma", "auto");
   config.attention.mma = mma == "int8" ? MmaPath::kInt8 : mma == "bf16" ? MmaPath::kBf16 : MmaPath::kAuto;
   const std::string topk = get("topk", "");
@@ -238,14 +242,15 @@ int main(int argc, char** argv) {
       "\"q_epilogue_ms\": %.3f, \"attention_ms\": %.3f, \"attention_tflops\": %.1f, \"projection_ms\": %.3f, "
       "\"unchunked_gemm_ms\": %.3f, \"projection_all_ms\": %.3f, \"qkv_gemm_ms\": %.3f, \"layer_gib\": %.4f, \"kv_gib\": %.4f, \"workspace_gib\": %.4f, "
       "\"measured_alloc_gib\": %.4f, \"tp\": %lld, \"tq\": %lld, \"tiling\": \"%s\", \"mma\": \"%s\", "
-      "\"sparse\": \"%s\", \"routed_fraction\": %.4f, \"routing_ms\": %.3f%s}\n",
+      "\"choose_per_head\": %d, \"sparse\": \"%s\", \"routed_fraction\": %.4f, \"routing_ms\": %.3f%s}\n",
       static_cast<long long>(n), hidden, heads, dim, fmt.c_str(), in_place ? 1 : 0, layer_ms, st.stats_ms,
       st.kv_gemm_ms, st.kv_epilogue_ms, st.q_gemm_ms, st.q_epilogue_ms, st.attention_ms,
       flops / (st.attention_ms * 1e-3) / 1e12, projection_ms, gemm_ms, projection_all_ms, qkv_gemm_ms,
       layer_bytes / 1073741824.0,
       kv_bytes / 1073741824.0, ws_bytes / 1073741824.0, (free_before - free_after) / 1073741824.0,
       static_cast<long long>(config.projection_chunk), static_cast<long long>(config.query_chunk), tiling.c_str(),
-      MmaPathName(mma_path), config.attention.sparse.enabled ? ("topk:" + topk).c_str() : "off",
+      MmaPathName(mma_path), config.transforms.choose_per_head ? 1 : 0,
+      config.attention.sparse.enabled ? ("topk:" + topk).c_str() : "off",
       config.attention.sparse.enabled ? sparse_report.RoutedFraction() : 1.0, st.routing_ms, digests);
   cudaFree(x);
   cudaFree(w);

@@ -21,7 +21,7 @@
 #     EPI_PROFILE=1    Nsight Compute of one K/V row-epilogue launch
 #     TQ_SWEEP="4096" / TP_SWEEP="2048 8192"   the INT4 layer at other query / projection chunks
 # daemon: from `shared/tools/bundle-binaries BUNDLE kvpackd daemon_ipc_bench bench_layer cuda_daemon_test
-#   cuda_layer_test cuda_interleave_test`: the CUDA kernel and daemon tests, one layer through kvpackd with
+#   cuda_layer_test cuda_head_choice_test cuda_interleave_test`: the CUDA kernel and daemon tests, one layer through kvpackd with
 #   CUDA IPC next to the same layer called directly (N = 32768 and H3, in place too), the chunk-interleaving
 #   test (QUICK=1: N = 32768 only), and (WHEELS=.whl: grpcio/protobuf wheels; stubs generated beforehand into
 #   client/python/kvpack/v1) the Python tests of kvpack.torch: CUDA IPC by segment, stream order,
@@ -45,16 +45,20 @@ finish() { tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null; }
 trap finish EXIT
 
 # ── kernels ─────────────────────────────────────────────────────────────────────────────────────────
-build_tree() {  # tree build_dir [cmake args...]: kernels, the CUDA layer test, bench_layer
+build_tree() {  # tree build_dir [cmake args...]: kernels, the CUDA layer tests, bench_layer
   local tree=$1 dir=$2; shift 2
   local gtest=${KVPACK_GTEST_SOURCE_DIR:-$(realpath "$ROOT/.carry/googletest" 2>/dev/null)}
   cmake -S "$tree" -B "$dir" -G Ninja -DKVPACK_BUILD_SERVER=OFF -DCMAKE_BUILD_TYPE=Release \
-    -DKVPACK_GTEST_SOURCE_DIR="$gtest" "$@" >"$dir.log" 2>&1 &&
-    ninja -C "$dir" -j16 kvpack_cuda cuda_layer_test bench_layer >>"$dir.log" 2>&1
+    -DKVPACK_GTEST_SOURCE_DIR="$gtest" "$@" >"$dir.log" 2>&1 || return 1
+  local extra=""  # the per-head choice's GPU test, in trees that have it
+  ninja -C "$dir" -t targets all 2>/dev/null | grep -q '^cuda_head_choice_test:' && extra=cuda_head_choice_test
+  ninja -C "$dir" -j16 kvpack_cuda cuda_layer_test $extra bench_layer >>"$dir.log" 2>&1
 }
 bench() {  # label build_dir n heads dim format [bench_layer flags]
+  # --choose_per_head=0 (trees before it ignore the flag), so that the new tree's digests and times
+  # compare with a base tree's; the "choose" row below times the per-head choice (its stats_ms).
   timeout 120 "$2/bench/bench_layer" --n=$3 --hidden=7168 --heads=$4 --dim=$5 --format=$6 --tiling=wgmma --gemm=0 \
-    --reps=2 --digest=1 ${7:-} 2>>"$LOGS/bench.err" | sed "s/^{/{\"tree\": \"$1\", /" >>"$OUT/times.jsonl"
+    --reps=2 --digest=1 --choose_per_head=0 ${7:-} 2>>"$LOGS/bench.err" | sed "s/^{/{\"tree\": \"$1\", /" >>"$OUT/times.jsonl"
 }
 sass_counts() {  # object: instruction counts of the sm90 kernel
   cuobjdump --dump-sass "$1" >"$1.sass" 2>/dev/null
@@ -80,8 +84,12 @@ run_kernels() {
   done
   grep -E "FAILED|Expected|Which is" "$LOGS/tests-new.log" | head -20 | tee -a "$SUMMARY"
   if [[ -n "${BASE:-}" ]]; then
-    if [[ -s "$LOGS/digests-new.txt" ]] && diff -q "$LOGS/digests-new.txt" "$LOGS/digests-base.txt" >/dev/null; then
-      say "DIGESTS (cuda_layer_test, $(wc -l <"$LOGS/digests-new.txt") cases × kernels): same"
+    # Every base line must be in the new tree's digests; lines only in the new tree are its new cases.
+    local missing added
+    missing=$(comm -23 "$LOGS/digests-base.txt" "$LOGS/digests-new.txt" | wc -l)
+    added=$(comm -13 "$LOGS/digests-base.txt" "$LOGS/digests-new.txt" | wc -l)
+    if [[ -s "$LOGS/digests-new.txt" && $missing -eq 0 ]]; then
+      say "DIGESTS (gpu tests, $(wc -l <"$LOGS/digests-base.txt") base cases × kernels): same; $added lines of cases new in this tree"
     else
       say "DIGESTS (cuda_layer_test): DIFFER"; diff "$LOGS/digests-base.txt" "$LOGS/digests-new.txt" | head -20 | tee -a "$SUMMARY"
     fi
@@ -92,6 +100,7 @@ run_kernels() {
     [[ -n "${BASE:-}" ]] && bench base /tmp/kb-base 32768 $shape
   done
   [[ -n "${BASE:-}" ]] && bench new2 /tmp/kb-new 32768 56 128 int4  # the spread of one tree between calls
+  bench choose /tmp/kb-new 32768 56 128 int4 "--choose_per_head=1"  # the per-head choice's cost (stats_ms)
   for m in ${MMA:-}; do
     for shape in "56 128 int4" "56 128 int8" "112 64 int4"; do bench "mma-$m" /tmp/kb-new 32768 $shape "--mma=$m"; done
     [[ -n "${H3:-}" ]] && bench "mma-$m" /tmp/kb-new 152263 56 128 int4 "--mma=$m"
@@ -111,7 +120,7 @@ run_kernels() {
   fi
   if [[ -n "${SANITIZE:-}" ]]; then
     timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 /tmp/kb-new/tests/kernels/cuda_layer_test \
-      --gtest_filter='*Int4OneSequence*:*MixedFormatsSequences*:*Bf16Causal*:*MixedFormatsWide*:*Int8Mma*' >"$LOGS/sanitizer.log" 2>&1
+      --gtest_filter='*Int4OneSequence*:*MixedFormatsSequences*:*Bf16Causal*:*MixedFormatsWide*:*Int8Mma*:*PerHeadChoice*' >"$LOGS/sanitizer.log" 2>&1
     say "compute-sanitizer memcheck exit $?: $(grep 'ERROR SUMMARY' "$LOGS/sanitizer.log" | tail -1)"
   fi
   local ncu; ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -130,7 +139,7 @@ run_kernels() {
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       --section WarpStateStats --section InstructionStats --section SourceCounters --section SchedulerStats \
       -o /tmp/epi /tmp/kb-new/bench/bench_layer --n=8192 --hidden=7168 --heads=56 --dim=128 --format=int4 \
-      --tiling=wgmma --gemm=0 --reps=1 >>"$LOGS/ncu.log" 2>&1
+      --tiling=wgmma --gemm=0 --reps=1 --choose_per_head=0 >>"$LOGS/ncu.log" 2>&1  # skip 1: the K/V epilogue
     "$ncu" --import /tmp/epi.ncu-rep --print-details all >"$OUT/epi_details.txt" 2>&1
   fi
   python3 - "$OUT/times.jsonl" <<'PY' | tee -a "$SUMMARY"
@@ -157,7 +166,7 @@ run_daemon() {
   local B; B=$(cd "${1:?daemon mode needs a bundle dir}" && pwd)
   export KVPACKD="$B/bin/kvpackd"
   export LD_LIBRARY_PATH="$B/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  for t in cuda_layer_test cuda_daemon_test cuda_interleave_test; do
+  for t in cuda_layer_test cuda_head_choice_test cuda_daemon_test cuda_interleave_test; do
     [[ -x "$B/bin/$t" ]] || continue
     timeout 300 "$B/bin/$t" >"$LOGS/$t.log" 2>&1
     say "$t exit $?: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$LOGS/$t.log" | tr '\n' ' ')"

@@ -286,8 +286,8 @@ int Run(Client& c, const Args& a) {
               Bytes(r->plan().predicted_peak_bytes()).c_str());
   if (!r->kv_handle().empty()) std::printf("  kept K/V: %s\n", r->kv_handle().c_str());
   if (a.spec.sparse.enabled) std::printf("  sparse: routed_fraction %.4f\n", r->routed_fraction());
-  // A run that reports an estimate made the per-head choice (the CPU backend); the CUDA backend
-  // reports none and keeps every transform.
+  // A run that reports an estimate made the per-head choice (either backend, by default); one that
+  // reports none kept every transform.
   absl::StatusOr<std::vector<uint16_t>> ref = ReferenceOutput(L, r->plan(), r->has_estimated_rel_error());
   if (!ref.ok()) return Fail(ref.status());
   const Comparison cmp = Compare(out, *ref);

@@ -56,8 +56,8 @@ SyntheticLayer MakeSyntheticLayer(const SyntheticSpec& spec);
 WeightsData WeightsOf(const SyntheticLayer& layer);
 
 // The layer run locally by the CPU reference with the formats and chunk sizes of `plan`.
-// choose_per_head as the daemon's backend does it (TransformOptions): the CUDA backend does not
-// choose per head yet, so its outputs compare against choose_per_head = false.
+// choose_per_head as the daemon's request asked (TransformOptions; both backends choose per head
+// by default).
 absl::StatusOr<std::vector<uint16_t>> ReferenceOutput(const SyntheticLayer& layer, const v1::PlanResult& plan,
                                                       bool choose_per_head = true);
 

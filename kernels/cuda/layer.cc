@@ -10,6 +10,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/head_choice.h"
 #include "kernels/cuda/row_epilogue.h"
 #include "kernels/cuda/sparse.h"
 #include "kernels/sparse_plan.h"
@@ -29,7 +30,7 @@ int64_t QueryRows(const LayerConfig& c) { return std::min(c.query_chunk, c.shape
 
 // Pieces of the pre-pass inside the main workspace region.
 struct StatsScratch {
-  uint64_t index = 0, gathered = 0, projected = 0, floats = 0, end = 0;
+  uint64_t index = 0, gathered = 0, projected = 0, floats = 0, choice = 0, end = 0;
 };
 // With pre-projected input the epilogue reads the sampled rows in place: no gathered x, no GEMM output.
 StatsScratch PlanStatsScratch(const LayerConfig& c) {
@@ -40,7 +41,13 @@ StatsScratch PlanStatsScratch(const LayerConfig& c) {
   p.gathered = AlignUp(p.index + s * sizeof(int64_t));
   p.projected = AlignUp(p.gathered + (gemm ? s * c.shape.hidden * 2 : 0));
   p.floats = AlignUp(p.projected + (gemm ? s * 2 * hd * 2 : 0));
-  p.end = AlignUp(p.floats + s * 2 * hd * sizeof(float));
+  const uint64_t floats_end = AlignUp(p.floats + s * 2 * hd * sizeof(float));
+  // The per-head choice's sample (head_choice.h) runs after the statistics epilogue, when the gathered
+  // x rows and their GEMM output are dead: it reuses their bytes where it fits there (at H3 scale,
+  // S = 1024: 29 MiB of choice in 44 MiB), else it follows the floats it reads.
+  const uint64_t choice = ChoiceScratchBytes(c);
+  p.choice = p.gathered + choice <= p.floats ? p.gathered : floats_end;
+  p.end = std::max(floats_end, AlignUp(p.choice + choice));
   return p;
 }
 
@@ -170,9 +177,10 @@ Error ResolveLayerKernel(const LayerConfig& c, AttentionTilingChoice requested, 
 
 namespace {
 
-// The statistics pre-pass: sample, project, epilogue to float, reduce into the entry's tables.
+// The statistics pre-pass: sample, project, epilogue to float, reduce into the entry's tables; then,
+// with the per-head choice, the choice on the host from the same sample (head_choice.h).
 Error ComputeStatsOnDevice(const LayerConfig& c, const LayerTensors& t, const KvLayout& layout, uint8_t* kv,
-                           uint8_t* main, BlasGemm& gemm, const CudaContext& ctx) {
+                           uint8_t* workspace, uint8_t* main, BlasGemm& gemm, const CudaContext& ctx) {
   const int64_t n = c.shape.n_tokens, s = SampleTokens(c), hd = c.shape.HeadCols();
   const StatsScratch sp = PlanStatsScratch(c);
   std::vector<int64_t> index(s);
@@ -203,8 +211,11 @@ Error ComputeStatsOnDevice(const LayerConfig& c, const LayerTensors& t, const Kv
   out.mu_v = reinterpret_cast<float*>(kv + layout.mu_v_offset);
   out.lambda = reinterpret_cast<float*>(kv + layout.lambda_offset);
   out.lambda_v = reinterpret_cast<float*>(kv + layout.lambda_v_offset);
-  return LaunchKvStats(floats, s, c.shape.n_heads, c.shape.head_dim, c.transforms.smooth, c.transforms.balance, out,
-                       ctx.stream);
+  KVPACK_RETURN_IF_ERROR(LaunchKvStats(floats, s, c.shape.n_heads, c.shape.head_dim, c.transforms.smooth,
+                                       c.transforms.balance, out, ctx.stream));
+  if (!ChoosesPerHead(c)) return Error::Ok();
+  return ChooseHeadTransformsFromDevice(c, t, BaseRowParams(c, t), floats, layout, kv, main + sp.choice, ctx.blas,
+                                        workspace, ctx.stream);
 }
 
 // The Q epilogue's parameters: stored form (bias, QK-norm, RoPE, ×λ, R) in place in the workspace q.
@@ -377,8 +388,8 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
   WriteKvTables(layout, tables.data());
   KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.pages_offset, tables.data(), tables.size(), cudaMemcpyHostToDevice,
                                      ctx.stream));
-  // Per-head record (format v2): this backend does not make the per-head choice yet
-  // (transform_choice.h; CPU only), so every head records the options' set and no estimate.
+  // Per-head record (format v2): the options' set and no estimate, as the CPU layer records it without
+  // a choice; the pre-pass overwrites it when it chooses per head (head_choice.h).
   std::vector<uint8_t> record(layout.total_bytes - layout.head_flags_offset, 0);
   const uint32_t flags = FixedHeadFlags(c.transforms);
   for (int h = 0; h < c.shape.n_heads; ++h) memcpy(record.data() + h * sizeof(uint32_t), &flags, sizeof(flags));
@@ -394,8 +405,9 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
     KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.lambda_v_offset, c.stats->lambda_v.data(), bytes, cudaMemcpyHostToDevice,
                                        ctx.stream));
   } else {
-    KVPACK_RETURN_IF_ERROR(
-        clock.Time(&StageTimes::stats_ms, [&] { return ComputeStatsOnDevice(c, t, layout, kv, main, gemm, ctx); }));
+    KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::stats_ms, [&] {
+      return ComputeStatsOnDevice(c, t, layout, kv, workspace, main, gemm, ctx);
+    }));
   }
 
   // ── Streamed projection: per chunk one GEMM into [Tp, 2·H·d] bf16, one fused epilogue ─────────

@@ -4,6 +4,9 @@
 //   1. statistics pre-pass (unless config.stats): gather a strided sample of
 //      min(N, transforms.stats_sample_tokens) tokens (token i·N/S), one cuBLASLt GEMM against W_k, W_v,
 //      bias / QK-norm / RoPE, then μ_k, μ_v, λ, λ_v per (head, channel) into the entry's tables;
+//      with transforms.choose_per_head, the per-head transform choice on the host from the same
+//      sample, by the CPU layer's own function (head_choice.h: it synchronises the stream once), its
+//      tables, per-head flags and estimates written into the entry;
 //   2. K/V projection in chunks of config.projection_chunk tokens: one cuBLASLt GEMM x[chunk]·W_{k,v}ᵀ
 //      into a bf16 workspace [Tp, 2·H·d] (fp32 accumulation), then ONE fused epilogue kernel (bias,
 //      QK-norm, RoPE, −μ, ÷λ (K) or ÷λ_v (V), rotation, quantization) that writes the entry's pages;
@@ -19,7 +22,8 @@
 // memory; these functions allocate nothing on the device. Errors: kvpack::Error; a failing CUDA or
 // cuBLASLt call gives ErrorCode::kInternal with the library's text. Kernels are launched
 // asynchronously: a fault inside a kernel surfaces at the next synchronising call (RunLayer
-// synchronises the stream before it returns, ProjectKv and AttendLayer do not).
+// synchronises the stream before it returns, ProjectKv and AttendLayer do not — except ProjectKv
+// once, after the pre-pass, when it chooses transforms per head).
 //
 // Chunks: `gate` (layer_spec.h) is called before the prologue (tables, statistics pre-pass) and before
 // each projection and query chunk; its error stops the call. When it is called, the launches of the
@@ -70,7 +74,7 @@ Error Supported(const LayerConfig& config);
 uint64_t KvBytes(const LayerConfig& config);
 // Peak scratch bytes of ProjectKv, AttendLayer and RunLayer (the largest of them): the cuBLASLt
 // workspace plus the largest of the projection workspace [Tp, 2·H·d] bf16, the query workspace
-// [Tq, H·d] bf16 and the pre-pass buffers.
+// [Tq, H·d] bf16 and the pre-pass buffers (with the per-head choice, its sample: head_choice.h).
 uint64_t WorkspaceBytes(const LayerConfig& config);
 
 // The MMA path AttendLayer runs for `config` on the resolved kernel `tiling` (mma_path.h):

@@ -19,8 +19,10 @@ constexpr int kRowsPerWarp = 16;
 constexpr int kRowsAhead = 3;
 // Four blocks per SM (64 registers a thread): 32 warps to hide the shuffles' and loads' latencies.
 constexpr int kBlocksPerSm = 4;
+constexpr bool ReadsQ(RowMode mode) { return mode == RowMode::kQuery || mode == RowMode::kQuerySample; }
+constexpr bool WritesFloat(RowMode mode) { return mode == RowMode::kStats || mode == RowMode::kQuerySample; }
 // Input column blocks of a mode: q; or k | v.
-constexpr int ColumnBlocks(RowMode mode) { return mode == RowMode::kQuery ? 1 : 2; }
+constexpr int ColumnBlocks(RowMode mode) { return ReadsQ(mode) ? 1 : 2; }
 
 // RoPE on one row (after QK-norm, before smoothing), the CPU reference's arithmetic without FMA
 // contraction. `buf` is this warp's d floats of shared memory, used to read each channel's partner.
@@ -83,7 +85,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kBlocksPerSm) RowEpilogue
   const int64_t row_begin = static_cast<int64_t>(blockIdx.x) * kRowsPerWarp;
   const int n_rows = static_cast<int>(min(static_cast<int64_t>(kRowsPerWarp), p.n_rows - row_begin));
   const int which = column / p.n_heads, head = column % p.n_heads;  // input columns column·d …
-  const int kind = kMode == RowMode::kQuery ? 0 : 1 + which;         // 0 q, 1 k, 2 v: W / bias block
+  const int kind = ReadsQ(kMode) ? 0 : 1 + which;                   // 0 q, 1 k, 2 v: W / bias block
   const int64_t head_cols = static_cast<int64_t>(p.n_heads) * kDim;
   const int chan = lane * kPerLane;  // first channel of this lane
   const int hc = head * kDim + chan;  // column inside one q / k / v block
@@ -118,7 +120,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kBlocksPerSm) RowEpilogue
   const bool given = p.given[0] != nullptr;
   const ProjectedLayout& gl = p.given_layout;
   const auto token_of = [&](int r) -> int64_t {
-    if constexpr (kMode == RowMode::kStats) {
+    if constexpr (WritesFloat(kMode)) {
       if (p.token_index) return p.token_index[row_begin + r];
     }
     return p.token_begin + row_begin + r;
@@ -161,8 +163,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kBlocksPerSm) RowEpilogue
     if (kind != 2 && p.rope_layout != RopeLayout::kNone) ApplyRope(x, rope_buf[warp], lane, p, token);
 
     // ── Mode-specific tail ──────────────────────────────────────────────────────────────────────
-    if constexpr (kMode == RowMode::kStats) {
-      float* out = p.out_float + row * 2 * head_cols + which * head_cols + hc;
+    if constexpr (WritesFloat(kMode)) {
+      float* out = p.out_float + row * kBlocks * head_cols + which * head_cols + hc;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) out[i] = x[i];
     } else if constexpr (kMode == RowMode::kQuery) {
@@ -190,6 +192,9 @@ Error LaunchForDim(RowMode mode, const RowEpilogueParams& p, cudaStream_t stream
     case RowMode::kPackKv: RowEpilogueKernel<kDim, RowMode::kPackKv><<<grid, block, 0, stream>>>(p); break;
     case RowMode::kStats: RowEpilogueKernel<kDim, RowMode::kStats><<<grid, block, 0, stream>>>(p); break;
     case RowMode::kQuery: RowEpilogueKernel<kDim, RowMode::kQuery><<<grid, block, 0, stream>>>(p); break;
+    case RowMode::kQuerySample:
+      RowEpilogueKernel<kDim, RowMode::kQuerySample><<<grid, block, 0, stream>>>(p);
+      break;
   }
   KVPACK_CUDA_RETURN_LAUNCH("row epilogue kernel");
   return Error::Ok();

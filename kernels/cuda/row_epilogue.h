@@ -5,6 +5,8 @@
 //                                        quantize → pages
 //   kStats   bf16 [S, 2·H·d] (K | V)  → bias, QK-norm, RoPE (K)                 → float [S, 2·H·d]
 //   kQuery   bf16 [T, H·d]     (Q)    → bias, QK-norm, RoPE, ×λ, R              → bf16, in place
+//   kQuerySample bf16 [n, H·d] (Q)    → bias, QK-norm, RoPE                     → float [n, H·d]
+//                                        (the queries of the per-head choice's sample, head_choice.h)
 //
 // Each mode may instead read the caller's pre-projected rows (RowEpilogueParams::given): the same
 // arithmetic from the same bf16 values, with no GEMM before it and no copy.
@@ -24,7 +26,7 @@
 
 namespace kvpack::cuda {
 
-enum class RowMode : int { kPackKv = 0, kStats = 1, kQuery = 2 };
+enum class RowMode : int { kPackKv = 0, kStats = 1, kQuery = 2, kQuerySample = 3 };
 inline constexpr int kMaxHeadDimGpu = 128;
 
 
@@ -39,7 +41,7 @@ struct RowEpilogueParams {
   ProjectedLayout given_layout;
   int64_t n_rows = 0;              // tokens in this launch
   int64_t token_begin = 0;         // global token index of row 0 (ignored when token_index is set)
-  const int64_t* token_index = nullptr;  // [n_rows] global token of each row (pre-pass sample) or null
+  const int64_t* token_index = nullptr;  // [n_rows] global token of each row (kStats, kQuerySample) or null
   int n_heads = 0;
   int head_dim = 0;
 
@@ -72,7 +74,7 @@ struct RowEpilogueParams {
   int n_pages = 0;
   const uint64_t* k_offsets = nullptr;     // kPackKv: device offsets
   const uint64_t* v_offsets = nullptr;
-  float* out_float = nullptr;              // kStats: [n_rows, 2·H·d]
+  float* out_float = nullptr;              // kStats: [n_rows, 2·H·d]; kQuerySample: [n_rows, H·d]
   uint16_t* out_bf16 = nullptr;            // kQuery: [n_rows, H·d], row stride out_stride (may be `in`)
   int64_t out_stride = 0;
 };

@@ -6,7 +6,8 @@
 //      bf16, the GPU's μ/λ/λ_v) for ≥ kCodeMatchFraction of the values, and decoded values lie within
 //      one quantization step of the host's (all but kBeyondOneStepFraction, none beyond kMaxSteps);
 //      the step of a BF16 row is one bf16 ulp of the row's largest value;
-//   2. statistics: μ_k, μ_v, λ, λ_v match the host's over the same strided sample;
+//   2. statistics: μ_k, μ_v, λ, λ_v match the host's over the same strided sample (with the per-head
+//      choice: the CPU backend's chosen tables, and its per-head flags exactly);
 //   3. attention: output (poisoned with NaN before the run) vs FP64 attention over the GPU's own
 //      decoded pages (tests the attention kernel alone) and vs FP64 unquantized attention (the
 //      end-to-end accuracy of the format).
@@ -86,35 +87,6 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
   cublasLtDestroy(ctx.blas);
   cudaStreamDestroy(ctx.stream);
 
-  // ── Statistics over the same strided sample ───────────────────────────────────────────────────
-  const float* mu_k = reinterpret_cast<const float*>(block.data() + layout.mu_k_offset);
-  const float* mu_v = reinterpret_cast<const float*>(block.data() + layout.mu_v_offset);
-  const float* lambda = reinterpret_cast<const float*>(block.data() + layout.lambda_offset);
-  const float* lambda_v = reinterpret_cast<const float*>(block.data() + layout.lambda_v_offset);
-  {
-    const KvStats want = cpu::ComputeStats(L.k.data(), L.v.data(), cfg.shape, cfg.transforms);
-    double worst_mu = 0, worst_lambda = 0, worst_lambda_v = 0, scale_mu = 1.0, widest_lambda_v = 0;
-    for (int64_t col = 0; col < hd; ++col) {
-      scale_mu = std::max({scale_mu, std::fabs(double(want.mu_k[col])), std::fabs(double(want.mu_v[col]))});
-      worst_mu = std::max({worst_mu, std::fabs(double(mu_k[col]) - want.mu_k[col]), std::fabs(double(mu_v[col]) - want.mu_v[col])});
-      worst_lambda = std::max(worst_lambda, std::fabs(double(lambda[col]) - want.lambda[col]) / want.lambda[col]);
-      worst_lambda_v = std::max(worst_lambda_v, std::fabs(double(lambda_v[col]) - want.lambda_v[col]) / want.lambda_v[col]);
-      widest_lambda_v = std::max(widest_lambda_v, double(lambda_v[col]));
-    }
-    std::printf("[%s] stats vs cpu::ComputeStats: mu %.2e (relative to max |mu|), lambda %.2e, lambda_v %.2e "
-                "(largest lambda_v %.2f)\n",
-                c.name, worst_mu / scale_mu, worst_lambda, worst_lambda_v, widest_lambda_v);
-    EXPECT_LE(worst_mu / scale_mu, kStatsRelTol) << "mu";
-    EXPECT_LE(worst_lambda, kStatsRelTol) << "lambda";
-    EXPECT_LE(worst_lambda_v, kStatsRelTol) << "lambda_v";
-    // The V outlier channels (10–40× weight rows) are balanced: some λ_v well above 1 (or all 1 when off).
-    if (c.transforms) {
-      EXPECT_GT(widest_lambda_v, 2.0);
-    } else {
-      EXPECT_EQ(widest_lambda_v, 1.0);
-    }
-  }
-
   // ── The CPU backend on the same inputs: its block and its output ──────────────────────────────
   std::vector<uint8_t> cpu_block(cpu::KvBytes(cfg)), cpu_ws(cpu::WorkspaceBytes(cfg));
   std::vector<uint16_t> cpu_x = L.x, cpu_out(c.in_place ? 0 : n * hd);
@@ -132,6 +104,54 @@ void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = tru
     ASSERT_OK(cpu::RunLayer(cpu_cfg, h, cpu_block.data(), cpu_ws.data(), cpu::CpuOptions{}, nullptr));
     if (c.in_place) cpu_out = cpu_x;
   }
+
+  // ── Statistics over the same strided sample ───────────────────────────────────────────────────
+  const float* mu_k = reinterpret_cast<const float*>(block.data() + layout.mu_k_offset);
+  const float* mu_v = reinterpret_cast<const float*>(block.data() + layout.mu_v_offset);
+  const float* lambda = reinterpret_cast<const float*>(block.data() + layout.lambda_offset);
+  const float* lambda_v = reinterpret_cast<const float*>(block.data() + layout.lambda_v_offset);
+  {
+    // With the choice, the tables are the chosen ones: the CPU backend's, and its per-head flags.
+    KvStats want = cpu::ComputeStats(L.k.data(), L.v.data(), cfg.shape, cfg.transforms);
+    if (c.choose) {
+      std::vector<float>* tables[4] = {&want.mu_k, &want.mu_v, &want.lambda, &want.lambda_v};
+      const uint64_t offsets[4] = {layout.mu_k_offset, layout.mu_v_offset, layout.lambda_offset, layout.lambda_v_offset};
+      for (int i = 0; i < 4; ++i) {
+        const float* table = reinterpret_cast<const float*>(cpu_block.data() + offsets[i]);
+        tables[i]->assign(table, table + hd);
+      }
+      const auto* gpu_flags = reinterpret_cast<const uint32_t*>(block.data() + layout.head_flags_offset);
+      const auto* cpu_flags = reinterpret_cast<const uint32_t*>(cpu_block.data() + layout.head_flags_offset);
+      std::printf("[%s] head flags gpu/cpu:", c.name);
+      for (int h = 0; h < c.heads; ++h) std::printf(" h%d %03x/%03x", h, gpu_flags[h], cpu_flags[h]);
+      std::printf("\n");
+      for (int h = 0; h < c.heads; ++h) EXPECT_EQ(gpu_flags[h], cpu_flags[h]) << "head " << h << " flags";
+    }
+    double worst_mu = 0, worst_lambda = 0, worst_lambda_v = 0, scale_mu = 1.0, widest_lambda_v = 0;
+    for (int64_t col = 0; col < hd; ++col) {
+      scale_mu = std::max({scale_mu, std::fabs(double(want.mu_k[col])), std::fabs(double(want.mu_v[col]))});
+      worst_mu = std::max({worst_mu, std::fabs(double(mu_k[col]) - want.mu_k[col]), std::fabs(double(mu_v[col]) - want.mu_v[col])});
+      worst_lambda = std::max(worst_lambda, std::fabs(double(lambda[col]) - want.lambda[col]) / want.lambda[col]);
+      worst_lambda_v = std::max(worst_lambda_v, std::fabs(double(lambda_v[col]) - want.lambda_v[col]) / want.lambda_v[col]);
+      widest_lambda_v = std::max(widest_lambda_v, double(lambda_v[col]));
+    }
+    std::printf("[%s] stats vs %s: mu %.2e (relative to max |mu|), lambda %.2e, lambda_v %.2e "
+                "(largest lambda_v %.2f)\n",
+                c.name, c.choose ? "cpu::RunLayer's chosen tables" : "cpu::ComputeStats", worst_mu / scale_mu, worst_lambda, worst_lambda_v, widest_lambda_v);
+    EXPECT_LE(worst_mu / scale_mu, kStatsRelTol) << "mu";
+    EXPECT_LE(worst_lambda, kStatsRelTol) << "lambda";
+    EXPECT_LE(worst_lambda_v, kStatsRelTol) << "lambda_v";
+    // The V outlier channels (10–40× weight rows) are balanced: some λ_v well above 1 (or all 1 when
+    // off). With the choice a head may keep λ_v = 1; the comparison with the CPU's tables covers it.
+    if (!c.choose) {
+      if (c.transforms) {
+        EXPECT_GT(widest_lambda_v, 2.0);
+      } else {
+        EXPECT_EQ(widest_lambda_v, 1.0);
+      }
+    }
+  }
+
   {
     // Counted apart: [0] INT4/INT8 codes, [1] BF16 codes (kBf16CodeMatchFraction). Since V is divided
     // by λ_v, every BF16 V code also moves with the ~1e-5 relative difference between the two
@@ -517,6 +537,30 @@ TEST(CudaLayer, TransformsShowTheirWorthOnInt4) {
   c.transforms = false;
   RunCase(c, &without, /*check_exact=*/false);
   EXPECT_GT(without.vs_exact, 3.0 * with.vs_exact);
+}
+
+// The per-head transform choice (kernels/cuda/head_choice.h) on the x + W path, with QK-norm and RoPE
+// in the queries' epilogue of its sample: the GPU's flags equal the CPU backend's (the two GEMMs'
+// rows differ by an ulp here and there; on this data no two candidates tie that closely) and
+// blocks and outputs compare as in every case. cuda_head_choice_test has the sink-heavy data.
+TEST(CudaLayer, PerHeadChoiceInt4AndMixedFormats) {
+  SKIP_WITHOUT_GPU();
+  Case c{"int4 chosen N=1000 d=128", 1000, 256, 2, 128, {{0, 1000, 0, PageFormat::kInt4}}};
+  c.choose = true;
+  c.seed = 11;
+  RunCase(c);
+  Case m{"mixed chosen N=4133 d=64",
+         4133,
+         192,
+         3,
+         64,
+         {{0, 700, 0, PageFormat::kBf16}, {700, 2100, 0, PageFormat::kInt4}, {2100, 2901, 1, PageFormat::kInt8},
+          {2901, 4133, 2, PageFormat::kInt4}}};
+  m.causal = true, m.in_place = true, m.norm = true, m.choose = true;
+  m.rope = RopeLayout::kSplitHalves, m.rope_axes = 3, m.axis_dims[0] = 16, m.axis_dims[1] = 24, m.axis_dims[2] = 24;
+  m.projection_chunk = 1000, m.query_chunk = 1500;
+  m.seed = 12;
+  RunCase(m);
 }
 
 TEST(CudaLayer, Int4ThreeSequencesNonCausal) {

@@ -57,8 +57,8 @@ class CudaDaemonTest : public ::testing::TestWithParam<std::string> {
   std::string RegisterIpc(void* allocation, uint64_t bytes) { return RegisterCudaIpcRegion(*c_, allocation, bytes); }
 
   void ExpectMatchesReference(const std::vector<uint16_t>& out, const v1::LayerResult& r) {
-    // The CUDA backend keeps every transform in every head (no per-head choice yet).
-    absl::StatusOr<std::vector<uint16_t>> ref = client::ReferenceOutput(layer_, r.plan(), /*choose_per_head=*/false);
+    // The CUDA backend chooses transforms per head as the CPU reference does (head_choice.h).
+    absl::StatusOr<std::vector<uint16_t>> ref = client::ReferenceOutput(layer_, r.plan());
     ASSERT_TRUE(ref.ok()) << ref.status();
     const client::Comparison cmp = client::Compare(out, *ref);
     EXPECT_LT(cmp.rel_l2, kGpuVsCpuRelL2) << "max |err| " << cmp.max_abs;
@@ -81,6 +81,15 @@ TEST_P(CudaDaemonTest, InlineTensorsAreStagedThroughThePool) {
   EXPECT_EQ(r->peak_bytes(), r->plan().predicted_peak_bytes());
   ExpectMatchesReference(out, *r);
   EXPECT_EQ(c_->Status()->pool_bytes(), weights_->pool_bytes());
+  // The run's own error estimate (the per-head choice's, head_choice.h), as the CPU backend reports
+  // it: per format, per range in the range's format, and in /metrics.
+  const v1::ErrorEstimate& e = r->estimated_rel_error();
+  EXPECT_GT(e.int4(), e.int8());
+  EXPECT_GT(e.int8(), e.bf16());
+  EXPECT_GT(e.bf16(), 0.0);
+  EXPECT_EQ(r->plan().ranges(0).estimated_rel_error(), e.bf16());
+  EXPECT_EQ(r->plan().ranges(2).estimated_rel_error(), e.int4());
+  EXPECT_EQ(Sample(daemon_->Metrics(), "kvpack_estimated_relative_error_count{format=\"int4\"}"), 1.0);
 }
 
 TEST_P(CudaDaemonTest, CudaIpcInputAndOutputAreUsedInPlace) {

@@ -192,9 +192,8 @@ TEST_F(CudaInterleaveTest, ShortHighPriorityLayerPassesALongOneChunkByChunk) {
       << "the short request finished after the long one";
   EXPECT_GT(long_result->seconds().turn_wait(), 0.0) << "the long layer never yielded its turn";
 
-  // The CUDA backend keeps every transform in every head (no per-head choice yet).
-  absl::StatusOr<std::vector<uint16_t>> ref =
-      client::ReferenceOutput(small, short_result->plan(), /*choose_per_head=*/false);
+  // The CUDA backend chooses transforms per head as the CPU reference does (head_choice.h).
+  absl::StatusOr<std::vector<uint16_t>> ref = client::ReferenceOutput(small, short_result->plan());
   ASSERT_TRUE(ref.ok()) << ref.status();
   EXPECT_LT(client::Compare(short_out, *ref).rel_l2, kGpuVsCpuRelL2);
   EXPECT_LT(RelL2(LongOutput(), alone_out), kInterleavedVsAloneRelL2);

@@ -1,0 +1,320 @@
+// The CUDA layer's per-head transform choice (kernels/cuda/head_choice.h) against the CPU layer's, on
+// the sink-heavy data of issue 15 (cpu::MakeSyntheticData kSinks: the data of docs/quality.md's
+// table, where the fixed transform set falls far below naive INT4). GPU test: skips without a device.
+//
+// The layer reads the data as pre-projected bf16 q, k, v (LayerConfig::projected), so both backends
+// start from the same bf16 rows: the contract held here is that the GPU's per-head flags equal the
+// CPU's for every head, its tables match the CPU's to kStatsRelTol (the statistics reduction sums
+// in another order: row_epilogue.h), its codes and outputs match the CPU backend's as
+// cuda_layer_test requires, and per-head cosines against FP64 attention of the same rows meet the
+// named floors below, the choice above the fixed set. Every check prints PASS or FAIL with its figure.
+#include "kernels/cuda/head_choice.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/layer.h"
+#include "kernels/cpu/quality.h"
+#include "kernels/cuda/layer.h"
+#include "kernels/transform_choice.h"
+#include "tests/kernels/cuda_test_layer.h"
+
+namespace kvpack::cuda {
+namespace {
+
+// Floors of the per-head cosine vs FP64 on the sink data (N = 2048 self-attention, 8 heads, d = 64,
+// outliers 2×). The CPU layer on this very input (projected bf16, bf16 output; both MMA paths
+// within 1e-4): INT4 chosen mean 0.99720, worst head 0.99381; fixed set 0.91603 / 0.75380.
+// INT8 chosen 0.999986 / 0.999974; fixed set 0.99787 / 0.99205 (docs/quality.md's 256-query table:
+// INT4 0.9972 / 0.9951 vs 0.9059 / 0.7402).
+inline constexpr double kInt4ChosenMeanCos = 0.995;
+inline constexpr double kInt4ChosenWorstCos = 0.99;
+inline constexpr double kInt8ChosenMeanCos = 0.9999;
+inline constexpr double kInt8ChosenWorstCos = 0.9995;
+// The fixed set must show the failure the choice fixes (else the data is not sink-heavy and the
+// comparison proves nothing): its mean cosine below this.
+inline constexpr double kInt4FixedMeanCosBelow = 0.98;
+inline constexpr double kInt8FixedMeanCosBelow = 0.9995;
+// The GPU's estimate (head_estimates table) vs the CPU's: the same function on rows that agree and
+// tables that agree to kStatsRelTol.
+inline constexpr double kEstimateRelTol = 1e-2;
+
+bool Check(const std::string& what, double value, const char* op, double bound) {
+  const bool ok = std::string(op) == ">=" ? value >= bound : std::string(op) == "<=" ? value <= bound : value < bound;
+  std::printf("  %s %-58s %.6f %s %.6f\n", ok ? "PASS" : "FAIL", what.c_str(), value, op, bound);
+  return ok;
+}
+
+// Token-major bf16 [N, H, d] rows and their float values.
+struct Qkv {
+  std::vector<uint16_t> q, k, v;
+  std::vector<float> qf, kf, vf;
+};
+
+Qkv SinkData(int64_t n, int heads, int dim) {
+  cpu::SyntheticOptions o;
+  o.n_k = o.n_q = n;
+  o.n_heads = heads, o.head_dim = dim;
+  o.outlier_scale = 2.0;
+  o.seed = 1;
+  o.kind = cpu::SyntheticKind::kSinks;
+  const cpu::SyntheticData d = cpu::MakeSyntheticData(o);
+  Qkv r;
+  const auto round = [](const std::vector<float>& in, std::vector<uint16_t>* bits, std::vector<float>* values) {
+    bits->resize(in.size()), values->resize(in.size());
+    for (size_t i = 0; i < in.size(); ++i) (*bits)[i] = FloatToBf16(in[i]), (*values)[i] = Bf16ToFloat((*bits)[i]);
+  };
+  round(d.q, &r.q, &r.qf);
+  round(d.k, &r.k, &r.kf);
+  round(d.v, &r.v, &r.vf);
+  return r;
+}
+
+LayerConfig SinkConfig(int64_t n, int heads, int dim, PageFormat format, bool choose) {
+  LayerConfig c;
+  c.shape = {n, heads * dim, heads, dim};
+  c.ranges = {{0, n, 0, format}};
+  c.has_bias = false;
+  c.projected.enabled = true;
+  c.projected.token_stride = static_cast<int64_t>(heads) * dim;
+  c.projected.head_stride = dim;
+  c.projected.batch_tokens = n;
+  c.projected.batch_stride = n * heads * dim;
+  c.transforms.choose_per_head = choose;
+  return c;
+}
+
+struct LayerRun {
+  std::vector<uint8_t> block;
+  std::vector<float> out;
+};
+
+void RunOnGpu(const LayerConfig& cfg, const Qkv& in, LayerRun* r) {
+  ASSERT_OK(Supported(cfg));
+  const int64_t elems = static_cast<int64_t>(in.q.size());
+  DeviceBuffer q(elems * 2), k(elems * 2), v(elems * 2), out(elems * 2), kv(KvBytes(cfg)), ws(WorkspaceBytes(cfg));
+  ASSERT_TRUE(q.ok() && k.ok() && v.ok() && out.ok() && kv.ok() && ws.ok());
+  ASSERT_CUDA(cudaMemcpy(q.as<void>(), in.q.data(), elems * 2, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(k.as<void>(), in.k.data(), elems * 2, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(v.as<void>(), in.v.data(), elems * 2, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemset(kv.as<void>(), 0xa5, KvBytes(cfg)));  // garbage the engine must overwrite
+  ASSERT_CUDA(cudaMemset(out.as<void>(), 0xff, elems * 2));     // NaN poison
+  LayerTensors t;
+  t.q = q.as<uint16_t>(), t.k = k.as<uint16_t>(), t.v = v.as<uint16_t>(), t.out = out.as<uint16_t>();
+  CudaContext ctx;
+  ASSERT_CUDA(cudaStreamCreate(&ctx.stream));
+  ASSERT_EQ(cublasLtCreate(&ctx.blas), CUBLAS_STATUS_SUCCESS);
+  ASSERT_OK(RunLayer(cfg, t, kv.as<uint8_t>(), ws.as<uint8_t>(), ctx, nullptr));
+  r->block.resize(KvBytes(cfg));
+  std::vector<uint16_t> bits(elems);
+  ASSERT_CUDA(cudaMemcpy(r->block.data(), kv.as<void>(), r->block.size(), cudaMemcpyDeviceToHost));
+  ASSERT_CUDA(cudaMemcpy(bits.data(), out.as<void>(), elems * 2, cudaMemcpyDeviceToHost));
+  cublasLtDestroy(ctx.blas);
+  cudaStreamDestroy(ctx.stream);
+  r->out.resize(elems);
+  for (int64_t i = 0; i < elems; ++i) r->out[i] = Bf16ToFloat(bits[i]);
+}
+
+// The CPU backend on the same rows, emulating the MMA path this GPU runs (cuda_layer_test does the same).
+void RunOnCpu(const LayerConfig& cfg, const Qkv& in, LayerRun* r) {
+  AttentionTilingChoice tiling;
+  LayerConfig c = cfg;
+  ASSERT_OK(ResolveLayerKernel(cfg, AttentionTilingChoice::kAuto, &tiling, &c.attention.mma));
+  r->block.resize(cpu::KvBytes(c));
+  std::vector<uint8_t> ws(cpu::WorkspaceBytes(c));
+  std::vector<uint16_t> bits(in.q.size());
+  LayerTensors t;
+  t.q = in.q.data(), t.k = in.k.data(), t.v = in.v.data(), t.out = bits.data();
+  ASSERT_OK(cpu::RunLayer(c, t, r->block.data(), ws.data(), cpu::CpuOptions{}, nullptr));
+  r->out.resize(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) r->out[i] = Bf16ToFloat(bits[i]);
+}
+
+struct Floors {
+  double chosen_mean, chosen_worst, fixed_mean_below;
+};
+
+void RunSinkCase(PageFormat format, const Floors& floors) {
+  constexpr int64_t kTokens = 2048;
+  constexpr int kHeads = 8, kDim = 64;
+  const std::string name = std::string("sinks ") + (format == PageFormat::kInt4 ? "int4" : "int8") + " N=2048 H=8 d=64";
+  const Qkv in = SinkData(kTokens, kHeads, kDim);
+  const LayerConfig chosen_cfg = SinkConfig(kTokens, kHeads, kDim, format, true);
+  const LayerConfig fixed_cfg = SinkConfig(kTokens, kHeads, kDim, format, false);
+  ASSERT_TRUE(ChoosesPerHead(chosen_cfg));
+  LayerRun gpu, cpu_run, gpu_fixed;
+  RunOnGpu(chosen_cfg, in, &gpu);
+  RunOnCpu(chosen_cfg, in, &cpu_run);
+  RunOnGpu(fixed_cfg, in, &gpu_fixed);
+  if (::testing::Test::HasFatalFailure()) return;
+  const KvLayout layout = PlanKvLayout(chosen_cfg.shape, chosen_cfg.ranges);
+  const int64_t hd = chosen_cfg.shape.HeadCols();
+  bool ok = true;
+  std::printf("[%s] digest block %016llx out %016llx\n", name.c_str(),
+              static_cast<unsigned long long>(Fnv1a64(gpu.block.data(), gpu.block.size())),
+              static_cast<unsigned long long>(Fnv1a64(gpu.out.data(), gpu.out.size() * 4)));
+
+  // ── Head flags: equal for every head ──────────────────────────────────────────────────────────
+  const auto* g_flags = reinterpret_cast<const uint32_t*>(gpu.block.data() + layout.head_flags_offset);
+  const auto* c_flags = reinterpret_cast<const uint32_t*>(cpu_run.block.data() + layout.head_flags_offset);
+  int same_flags = 0;
+  std::printf("[%s] head flags gpu/cpu:", name.c_str());
+  for (int h = 0; h < kHeads; ++h) {
+    same_flags += g_flags[h] == c_flags[h];
+    std::printf(" h%d %03x/%03x", h, g_flags[h], c_flags[h]);
+    EXPECT_TRUE(g_flags[h] & kHeadChosen) << "head " << h;
+  }
+  std::printf("\n");
+  ok &= Check("heads whose flags equal the CPU's", same_flags, ">=", kHeads);
+
+  // ── Tables and estimates ──────────────────────────────────────────────────────────────────────
+  int64_t same_values = 0;
+  double worst_rel = 0.0;
+  for (uint64_t off : {layout.mu_k_offset, layout.mu_v_offset, layout.lambda_offset, layout.lambda_v_offset}) {
+    const float* g = reinterpret_cast<const float*>(gpu.block.data() + off);
+    const float* w = reinterpret_cast<const float*>(cpu_run.block.data() + off);
+    double scale = 1e-30;
+    for (int64_t i = 0; i < hd; ++i) scale = std::max(scale, std::fabs(double(w[i])));
+    for (int64_t i = 0; i < hd; ++i) {
+      same_values += g[i] == w[i];
+      worst_rel = std::max(worst_rel, std::fabs(double(g[i]) - w[i]) / scale);
+    }
+  }
+  std::printf("[%s] tables (mu_k, mu_v, lambda, lambda_v) bit-identical to the CPU's: %lld of %lld\n", name.c_str(),
+              static_cast<long long>(same_values), static_cast<long long>(4 * hd));
+  ok &= Check("tables: largest difference / table's max |value|", worst_rel, "<=", kStatsRelTol);
+  const auto* g_est = reinterpret_cast<const float*>(gpu.block.data() + layout.head_estimates_offset);
+  const auto* c_est = reinterpret_cast<const float*>(cpu_run.block.data() + layout.head_estimates_offset);
+  const double g_rel = EstimatedRelError(g_est, kHeads, format), c_rel = EstimatedRelError(c_est, kHeads, format);
+  std::printf("[%s] estimated rel L2: gpu %.5f cpu %.5f\n", name.c_str(), g_rel, c_rel);
+  ok &= Check("estimate > 0 (the record was written)", g_rel, ">=", 1e-6);
+  ok &= Check("estimate: |gpu − cpu| / cpu", std::fabs(g_rel - c_rel) / std::max(c_rel, 1e-30), "<=", kEstimateRelTol);
+
+  // ── Codes and outputs vs the CPU backend ──────────────────────────────────────────────────────
+  int64_t values = 0, same = 0;
+  for (size_t i = 0; i < layout.pages.size() * kHeads * 2; ++i) {
+    const size_t pages = layout.pages.size() * kHeads;
+    const PageDesc& page = layout.pages[(i % pages) % layout.pages.size()];
+    const uint64_t o = (i < pages ? layout.k_offsets : layout.v_offsets)[i % pages];
+    const int bytes = page.n_valid * CodeBytesPerRow(format, kDim);
+    for (int b = 0; b < bytes; ++b) {
+      const uint8_t g = gpu.block[o + b], w = cpu_run.block[o + b];
+      if (format == PageFormat::kInt4) {
+        values += 2, same += ((g ^ w) & 0x0f) == 0, same += ((g ^ w) & 0xf0) == 0;
+      } else {
+        ++values, same += g == w;
+      }
+    }
+  }
+  ok &= Check("codes identical to the CPU backend's (fraction)", double(same) / double(values), ">=",
+              kCodeMatchFraction);
+  std::vector<double> cpu_out(cpu_run.out.begin(), cpu_run.out.end());
+  int64_t non_finite = 0;
+  for (float x : gpu.out) non_finite += !std::isfinite(x);
+  ok &= Check("non-finite outputs (NaN poison left)", double(non_finite), "<=", 0.0);
+  ok &= Check("rel L2 vs the CPU backend's output", RelL2(gpu.out, cpu_out), "<=", kCpuRelL2);
+
+  // ── Per-head cosine vs FP64 attention of the same bf16 rows ───────────────────────────────────
+  std::vector<double> reference(in.qf.size());
+  cpu::QueryBlock queries;
+  queries.q = in.qf.data(), queries.n_q = kTokens;
+  cpu::ReferenceAttention(queries, in.kf.data(), in.vf.data(), nullptr, kTokens, kHeads, kDim, AttentionOptions{},
+                          reference.data());
+  const cpu::QualityResult g = cpu::CompareOutputs(reference.data(), gpu.out.data(), kTokens, kHeads, kDim);
+  const cpu::QualityResult c = cpu::CompareOutputs(reference.data(), cpu_run.out.data(), kTokens, kHeads, kDim);
+  const cpu::QualityResult f = cpu::CompareOutputs(reference.data(), gpu_fixed.out.data(), kTokens, kHeads, kDim);
+  std::printf("[%s] cosine vs FP64, mean (worst head): gpu chosen %.6f (%.6f, h%d), cpu chosen %.6f (%.6f), "
+              "gpu fixed set %.6f (%.6f, h%d); rel L2 gpu chosen %.5f, fixed %.5f\n",
+              name.c_str(), g.cosine, g.worst_head_cosine, g.worst_head, c.cosine, c.worst_head_cosine, f.cosine,
+              f.worst_head_cosine, f.worst_head, g.rel_l2, f.rel_l2);
+  ok &= Check("gpu chosen: mean cosine", g.cosine, ">=", floors.chosen_mean);
+  ok &= Check("gpu chosen: worst head's cosine", g.worst_head_cosine, ">=", floors.chosen_worst);
+  ok &= Check("gpu fixed set: mean cosine (the failure the choice fixes)", f.cosine, "<", floors.fixed_mean_below);
+  ok &= Check("gpu chosen worst head − fixed set worst head", g.worst_head_cosine - f.worst_head_cosine, ">=", 0.0);
+  std::printf("[%s] %s\n", name.c_str(), ok ? "PASS" : "FAIL");
+  EXPECT_TRUE(ok) << "a check above printed FAIL";
+}
+
+TEST(CudaHeadChoice, SinkHeadsInt4ChooseAsTheCpu) {
+  SKIP_WITHOUT_GPU();
+  RunSinkCase(PageFormat::kInt4, {kInt4ChosenMeanCos, kInt4ChosenWorstCos, kInt4FixedMeanCosBelow});
+}
+
+TEST(CudaHeadChoice, SinkHeadsInt8ChooseAsTheCpu) {
+  SKIP_WITHOUT_GPU();
+  RunSinkCase(PageFormat::kInt8, {kInt8ChosenMeanCos, kInt8ChosenWorstCos, kInt8FixedMeanCosBelow});
+}
+
+// The host half of the GPU's choice (ChooseFromEstimateSample, no device) fed the CPU layer's own
+// rows — picked by PlanEstimateSample, laid out as the device copies them — records exactly what the
+// CPU layer records: flags, estimates and chosen tables bit for bit. Two ranges of two formats, so
+// each key's format is looked up too.
+TEST(CudaHeadChoice, HostHalfOnTheCpuRowsIsTheCpuLayersChoice) {
+  constexpr int64_t kTokens = 2048;
+  constexpr int kHeads = 8, kDim = 64;
+  const Qkv in = SinkData(kTokens, kHeads, kDim);
+  LayerConfig cfg = SinkConfig(kTokens, kHeads, kDim, PageFormat::kInt4, true);
+  cfg.ranges = {{0, 1000, 0, PageFormat::kInt4}, {1000, kTokens, 0, PageFormat::kInt8}};
+  std::vector<uint8_t> block(cpu::KvBytes(cfg)), ws(cpu::WorkspaceBytes(cfg));
+  std::vector<uint16_t> out(in.q.size());
+  LayerTensors t;
+  t.q = in.q.data(), t.k = in.k.data(), t.v = in.v.data(), t.out = out.data();
+  ASSERT_OK(cpu::RunLayer(cfg, t, block.data(), ws.data(), cpu::CpuOptions{}, nullptr));
+
+  const EstimateSampleRows rows = PlanEstimateSample(cfg);
+  ASSERT_EQ(rows.n_sample, 1024);
+  ASSERT_EQ(rows.key_index.size(), 512u);
+  ASSERT_EQ(rows.query_token.size(), 32u);
+  const int64_t hd = cfg.shape.HeadCols();
+  std::vector<float> keys(rows.key_index.size() * 2 * hd), queries(rows.query_token.size() * hd);
+  for (size_t j = 0; j < rows.key_index.size(); ++j) {
+    const int64_t token = cpu::StatsSampleToken(rows.key_index[j], kTokens, rows.n_sample);
+    std::copy(&in.kf[token * hd], &in.kf[token * hd] + hd, &keys[j * 2 * hd]);
+    std::copy(&in.vf[token * hd], &in.vf[token * hd] + hd, &keys[j * 2 * hd + hd]);
+  }
+  for (size_t i = 0; i < rows.query_token.size(); ++i) {
+    std::copy(&in.qf[rows.query_token[i] * hd], &in.qf[rows.query_token[i] * hd] + hd, &queries[i * hd]);
+  }
+  KvStats stats = cpu::ComputeStats(in.kf.data(), in.vf.data(), cfg.shape, cfg.transforms);
+  const cpu::TransformRecord record = ChooseFromEstimateSample(cfg, rows, keys.data(), queries.data(), &stats);
+
+  const KvLayout layout = PlanKvLayout(cfg.shape, cfg.ranges);
+  EXPECT_EQ(0, std::memcmp(record.head_flags.data(), block.data() + layout.head_flags_offset, kHeads * 4));
+  EXPECT_EQ(0, std::memcmp(record.head_estimates.data(), block.data() + layout.head_estimates_offset,
+                           record.head_estimates.size() * 4));
+  const std::vector<float>* tables[4] = {&stats.mu_k, &stats.mu_v, &stats.lambda, &stats.lambda_v};
+  const uint64_t offsets[4] = {layout.mu_k_offset, layout.mu_v_offset, layout.lambda_offset, layout.lambda_v_offset};
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(0, std::memcmp(tables[i]->data(), block.data() + offsets[i], hd * 4)) << i;
+  int chosen_differently = 0;  // the sink heads must not keep the options' full set (flags 0x1b)
+  for (int h = 0; h < kHeads; ++h) chosen_differently += (record.head_flags[h] & 0xff) != FixedHeadFlags(cfg.transforms);
+  EXPECT_GE(chosen_differently, kHeads / 2);
+}
+
+// What needs no GPU: when the layer chooses, and that the choice's sample has room in the workspace.
+TEST(CudaHeadChoice, ChoiceNeedsOptionsAndScratch) {
+  LayerConfig c = SinkConfig(5000, 4, 128, PageFormat::kInt4, true);
+  EXPECT_TRUE(ChoosesPerHead(c));
+  // Keys 512 × 2·H·d floats and queries 32 × H·d floats, at least; beside the pre-pass's float K | V
+  // of its S = 1024 (stats_sample_tokens) tokens.
+  EXPECT_GE(ChoiceScratchBytes(c), (512ull * 2 + 32) * 4 * 128 * 4);
+  EXPECT_GE(WorkspaceBytes(c), ChoiceScratchBytes(c) + 1024ull * 2 * 4 * 128 * 4);
+  c.transforms.choose_per_head = false;
+  EXPECT_FALSE(ChoosesPerHead(c));
+  EXPECT_EQ(ChoiceScratchBytes(c), 0u);
+  c.transforms.choose_per_head = true;
+  c.transforms.smooth = c.transforms.balance = false;  // nothing to choose: the CPU layer keeps the set too
+  EXPECT_FALSE(ChoosesPerHead(c));
+  c.transforms.smooth = true;
+  KvStats given;
+  c.stats = &given;  // the caller's tables are kept as given
+  EXPECT_FALSE(ChoosesPerHead(c));
+}
+
+}  // namespace
+}  // namespace kvpack::cuda
