@@ -20,9 +20,9 @@
 
 #include "server/backends/backend.h"
 #include "server/core/policy_parse.h"
-#include "server/service/options.h"
+#include "server/runtime/options.h"
+#include "server/runtime/shm_guard.h"
 #include "server/service/service.h"
-#include "server/service/shm_guard.h"
 
 namespace kvpack::server {
 namespace {

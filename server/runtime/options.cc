@@ -1,4 +1,4 @@
-#include "server/service/options.h"
+#include "server/runtime/options.h"
 
 #include <algorithm>
 #include <cstdlib>
