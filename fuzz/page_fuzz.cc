@@ -26,20 +26,19 @@
 namespace kvpack {
 namespace {
 
-// Round-trip tolerances: fp16 metadata keeps 11 significant bits (relative 2^-11 on lo and scale,
-// at most ~1e-3 of max|x| after 15 steps), bf16 keeps 8 (relative 2^-8 per value).
+// Round-trip tolerances. INT8: half a step of the scale as stored (the encoder's scale is never
+// below max|x| / 127, so no code clips: format.h RowScaleToHalf), with room for the fp32 product
+// x · (1/scale) (relative 2^-24 of codes ≤ 127). INT4: one step plus fp16 metadata's 11 significant
+// bits (relative 2^-11 on lo and scale, at most ~1e-3 of max|x| after 15 steps) plus lo's rounding
+// to a subnormal fp16 (half of 2^-24). BF16 keeps 8 bits (relative 2^-8 per value).
+constexpr float kInt8HalfStep = 0.5f + 1e-4f;
 constexpr float kMetaRelTolerance = 2e-3f;
-constexpr float kAbsTolerance = 1e-6f;  // fp16 scale flushes to subnormal/zero for spans < ~1e-6
+constexpr float kLoSubnormalRounding = 0x1p-25f;
 constexpr float kBf16RelTolerance = 1.0f / 256;
 // Below float's normal range bf16 keeps fewer significant bits: its subnormals are 2^-133 apart, so
 // rounding errs by up to half of that whatever the value (found by page_fuzz: 3.2e-43 → 0).
 constexpr float kBf16SubnormalHalfStep = 0x1p-134f;
 constexpr float kMaxInput = 30000.0f;  // below fp16's 65504 with room for max − min
-// INT8 rows with max|x| < 127·2^-14 ≈ 7.8e-3 get a subnormal fp16 scale, rounded to nearest: when it
-// rounds down, the largest codes clip at ±127, by up to 127 half-ulps of a subnormal (2^-25) =
-// 3.8e-6 absolute (found by page_fuzz: -1.1e-5 decodes to -8e-6). The encoder's contract today;
-// rounding the scale up (CPU and CUDA encoders together) would remove it — see bench/RESULTS.md.
-constexpr float kInt8SubnormalScaleClip = 127 * 0x1p-25f;
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "page_fuzz: %s\n", what.c_str());
@@ -198,8 +197,8 @@ void RowRoundTrip(Reader& in) {
     for (int i = 0; i < d; ++i) {
       const float tolerance = format == PageFormat::kBf16
                                   ? std::fmax(std::fabs(x[i]) * kBf16RelTolerance, kBf16SubnormalHalfStep)
-                                  : step + kMetaRelTolerance * amax + kAbsTolerance +
-                                        (format == PageFormat::kInt8 ? kInt8SubnormalScaleClip : 0.0f);
+                              : format == PageFormat::kInt8 ? kInt8HalfStep * step
+                                                            : step + kMetaRelTolerance * amax + kLoSubnormalRounding;
       if (!(std::fabs(y[i] - x[i]) <= tolerance)) {
         Fail("format " + std::to_string(f) + " d " + std::to_string(d) + ": x[" + std::to_string(i) + "] = " +
              std::to_string(x[i]) + " decodes to " + std::to_string(y[i]));
