@@ -211,22 +211,22 @@ KVPACK_HD inline float ClampToHalfRange(float v) {
 // fp16 bits of the smallest normal value, 2^-14: below it the spacing is a fixed 2^-24.
 inline constexpr uint16_t kHalfMinNormalBits = 0x0400u;
 
-// A row's fp16 scale from its exact value v ≥ 0 (max|x| / 127, or (max − min) / 15): the nearest fp16,
-// except where that is subnormal (or zero) and below v, then the next fp16 up. Subnormals are 2^-24
+// A row's fp16 scale from v = span / 127 (INT8, span = max|x|) or span / 15 (INT4, span = max − min),
+// v ≥ 0: the nearest fp16, except where that is subnormal or zero and below v — or zero while span
+// is not (v underflows fp32 for span < 127·2^-149) — then the next fp16 up. Subnormals are 2^-24
 // apart, so the nearest can be up to half below v (v = 1.5·2^-24 → 2^-24) and the row's largest codes
 // would clip: an INT8 row with x = −1.1e-5 decoded to −8.0e-6 (found by page_fuzz). Rounded up, every
 // code fits and the error stays within half a step. A normal nearest errs by ≤ 2^-11 relative: the
 // largest code comes to ≤ 127.07 (INT8) or 15.008 (INT4, lo's own rounding aside), which round to 127
 // and 15, so rows with a normal scale — max|x| ≥ 127·2^-14 ≈ 7.8e-3 (INT8), max − min ≥ 15·2^-14 ≈
 // 9.2e-4 (INT4) — keep the codes the nearest gives. The CUDA encoders (cuda/page_codec.cuh
-// RowScaleBits) make the same choice.
-KVPACK_HD inline uint16_t RowScaleToHalf(float v) {
+// RowScaleBits) make the same choice; `span` settles the one case where their divisions may differ
+// (an fp32-subnormal quotient, zero in one and not the other).
+KVPACK_HD inline uint16_t RowScaleToHalf(float v, float span) {
   const uint16_t h = FloatToHalf(v);
-  return h < kHalfMinNormalBits && HalfToFloat(h) < v ? static_cast<uint16_t>(h + 1u) : h;
+  if (h >= kHalfMinNormalBits) return h;
+  return HalfToFloat(h) < v || (h == 0 && span > 0.0f) ? static_cast<uint16_t>(h + 1u) : h;
 }
-
-// ── Scalar reference encoders and decoders of one row ────────────────────────────────────────────
-// REQUIRES: head_dim even; x finite. codes has CodeBytesPerRow(f, head_dim) bytes.
 
 KVPACK_HD inline void EncodeRowInt4(const float* x, int head_dim, uint8_t* codes, Int4RowMeta* meta) {
   float mn = x[0], mx = x[0];
@@ -234,7 +234,7 @@ KVPACK_HD inline void EncodeRowInt4(const float* x, int head_dim, uint8_t* codes
     mn = x[i] < mn ? x[i] : mn;
     mx = x[i] > mx ? x[i] : mx;
   }
-  meta->scale = RowScaleToHalf(ClampToHalfRange((mx - mn) / 15.0f));
+  meta->scale = RowScaleToHalf(ClampToHalfRange((mx - mn) / 15.0f), mx - mn);
   meta->lo = FloatToHalf(ClampToHalfRange(mn));
   const float scale = HalfToFloat(meta->scale);
   const float lo = HalfToFloat(meta->lo);
@@ -260,7 +260,7 @@ KVPACK_HD inline void DecodeRowInt4(const uint8_t* codes, Int4RowMeta meta, int 
 KVPACK_HD inline void EncodeRowInt8(const float* x, int head_dim, int8_t* codes, Int8RowMeta* meta) {
   float amax = 0.0f;
   for (int i = 0; i < head_dim; ++i) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-  meta->scale = RowScaleToHalf(ClampToHalfRange(amax / 127.0f));
+  meta->scale = RowScaleToHalf(ClampToHalfRange(amax / 127.0f), amax);
   const float scale = HalfToFloat(meta->scale);
   const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
   for (int i = 0; i < head_dim; ++i) {

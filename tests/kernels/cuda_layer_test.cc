@@ -509,7 +509,7 @@ TEST(CudaLayer, HalfReciprocalsAreFrcpRn) {
 // The warp row encoders write the host encoder's bytes, codes and fp16 metadata, for rows of every
 // magnitude: max|x| from 1e-9 (scale below fp16's smallest subnormal) through fp16's subnormal scales
 // (INT8 max|x| < 127·2^-14 ≈ 7.8e-3, INT4 range < 15·2^-14), where the scale rounds up so no code clips,
-// to 1e3; plus the page_fuzz finding's row (d = 64 here: x = −1.1e-5 among small values).
+// to 1e3; plus the page_fuzz findings' rows (x = −1.1e-5 among small values; fp32 subnormals).
 TEST(CudaLayer, RowEncodersWriteTheHostsBytesAtEveryMagnitude) {
   SKIP_WITHOUT_GPU();
   constexpr int kRows = 64 * kPageTokens;
@@ -524,6 +524,7 @@ TEST(CudaLayer, RowEncodersWriteTheHostsBytesAtEveryMagnitude) {
       for (int e = 0; e < d; ++e) rows[static_cast<size_t>(r) * d + e] = offset + magnitude * normal(rng);
     }
     for (int e = 0; e < d; ++e) rows[e] = (e == 5 ? -1.1e-5f : 1e-7f * normal(rng));  // the fuzz finding's row
+    for (int e = 0; e < d; ++e) rows[d + e] = std::ldexp(1.0f, -149) * (e % 7);  // fp32 subnormals: span / 127 = 0
     for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8}) {
       const size_t bytes = static_cast<size_t>(kRows / kPageTokens) * PageBytes(f, d);
       std::vector<uint8_t> gpu(bytes), host(bytes, 0);

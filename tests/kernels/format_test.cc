@@ -150,11 +150,31 @@ TEST(Format, NormalScalesStayTheNearest) {
     EXPECT_EQ(m8.scale, FloatToHalf(amax / 127.0f));
     EXPECT_EQ(m4.scale, FloatToHalf((mx - mn) / 15.0f));
   }
-  EXPECT_EQ(RowScaleToHalf(std::ldexp(1.0f, -14)), kHalfMinNormalBits);
-  EXPECT_EQ(RowScaleToHalf(std::ldexp(1.25f, -24)), 0x0002);  // nearest 0x0001 is below: up
-  EXPECT_EQ(RowScaleToHalf(std::ldexp(1.0f, -26)), 0x0001);   // nearest 0 is below: up
-  EXPECT_EQ(RowScaleToHalf(0.0f), 0x0000);
-  EXPECT_EQ(RowScaleToHalf(std::ldexp(3.0f, -24)), 0x0003);   // exact
+  const float any_span = 1.0f;  // (only its sign matters below the normal range)
+  EXPECT_EQ(RowScaleToHalf(std::ldexp(1.0f, -14), any_span), kHalfMinNormalBits);
+  EXPECT_EQ(RowScaleToHalf(std::ldexp(1.25f, -24), any_span), 0x0002);  // nearest 0x0001 is below: up
+  EXPECT_EQ(RowScaleToHalf(std::ldexp(1.0f, -26), any_span), 0x0001);   // nearest 0 is below: up
+  EXPECT_EQ(RowScaleToHalf(std::ldexp(3.0f, -24), any_span), 0x0003);   // exact
+  EXPECT_EQ(RowScaleToHalf(0.0f, 0.0f), 0x0000);                       // an all-zero row
+  EXPECT_EQ(RowScaleToHalf(0.0f, std::ldexp(1.0f, -149)), 0x0001);     // span/127 underflowed fp32
+}
+
+// page_fuzz's second finding on this branch: a row whose max|x| is an fp32 subnormal (1.4e-45) has
+// max|x| / 127 = 0 in fp32; its scale is the smallest fp16, not 0, and it decodes within half a step.
+TEST(Format, Fp32SubnormalRowsKeepANonzeroScale) {
+  std::vector<float> x(32, 0.0f);
+  x[0] = std::ldexp(1.0f, -149);
+  int8_t codes[32];
+  Int8RowMeta meta;
+  EncodeRowInt8(x.data(), 32, codes, &meta);
+  EXPECT_EQ(meta.scale, 0x0001);
+  std::vector<float> y(32);
+  DecodeRowInt8(codes, meta, 32, y.data());
+  for (int i = 0; i < 32; ++i) EXPECT_LE(std::fabs(y[i] - x[i]), 0.5f * HalfToFloat(meta.scale)) << i;
+  uint8_t codes4[16];
+  Int4RowMeta meta4;
+  EncodeRowInt4(x.data(), 32, codes4, &meta4);
+  EXPECT_EQ(meta4.scale, 0x0001);
 }
 
 TEST(Rotation, IsOrthogonalAndInvertible) {
