@@ -35,6 +35,8 @@ constexpr uint64_t kMaxInlineBytes = 1ull << 20;
 constexpr uint64_t kChunkBytes = 64ull << 10;  // several chunks per tensor at the largest shapes
 constexpr auto kCallDeadline = std::chrono::seconds(30);
 constexpr auto kPoolSettle = std::chrono::seconds(5);  // reactors drop their references after Finish
+// The reactor lets go within microseconds of Finish: a 1 ms poll cost most execs a whole millisecond.
+constexpr auto kPoolPoll = std::chrono::microseconds(20);
 
 enum Flags : uint8_t {
   kBias = 1,
@@ -247,7 +249,7 @@ class Harness {
         Fail("pool not empty after the call: " + std::to_string(s.allocated) + " allocated, " +
              std::to_string(s.reserved) + " reserved bytes");
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      std::this_thread::sleep_for(kPoolPoll);
     }
   }
 

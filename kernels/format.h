@@ -47,14 +47,16 @@
 //     │ c1 7:4 │ c0 3:0 │ │ c3 7:4 │ c2 3:0 │ │ c2j+1    │ c2j    │
 //     └────────┴────────┘ └────────┴────────┘ └──────────┴────────┘
 //   meta: Int4RowMeta { fp16 scale; fp16 lo; }  (4 bytes, little-endian, scale first)
-//   encode: lo = min x, scale = (max x − min x)/15, both rounded to fp16 FIRST; then
+//   encode: lo = min x, scale = (max x − min x)/15, both rounded to fp16 FIRST (scale: nearest, or
+//           the next fp16 up where the nearest is a subnormal below it, RowScaleToHalf); then
 //           code = clamp(rne((x − lo) · (1/scale)), 0, 15)   (fp32, 1/scale correctly rounded)
 //   decode: x̂ = lo + code · scale
 //
 // ── INT8 row (symmetric) ──────────────────────────────────────────────────────────────────────────
 //   codes: d bytes, two's complement, −127..127 (−128 never written)
 //   meta: Int8RowMeta { fp16 scale; }  (2 bytes)
-//   encode: scale = max|x| / 127 rounded to fp16; code = clamp(rne(x · (1/scale)), −127, 127)
+//   encode: scale = max|x| / 127 rounded to fp16 (nearest, or the next fp16 up where the nearest is a
+//           subnormal below it, RowScaleToHalf); code = clamp(rne(x · (1/scale)), −127, 127)
 //   decode: x̂ = code · scale
 //
 // ── BF16 row ──────────────────────────────────────────────────────────────────────────────────────
@@ -206,8 +208,25 @@ KVPACK_HD inline float ClampToHalfRange(float v) {
   return v > kHalfMax ? kHalfMax : (v < -kHalfMax ? -kHalfMax : v);
 }
 
-// ── Scalar reference encoders and decoders of one row ────────────────────────────────────────────
-// REQUIRES: head_dim even; x finite. codes has CodeBytesPerRow(f, head_dim) bytes.
+// fp16 bits of the smallest normal value, 2^-14: below it the spacing is a fixed 2^-24.
+inline constexpr uint16_t kHalfMinNormalBits = 0x0400u;
+
+// A row's fp16 scale from v = span / 127 (INT8, span = max|x|) or span / 15 (INT4, span = max − min),
+// v ≥ 0: the nearest fp16, except where that is subnormal or zero and below v — or zero while span
+// is not (v underflows fp32 for span < 127·2^-149) — then the next fp16 up. Subnormals are 2^-24
+// apart, so the nearest can be up to half below v (v = 1.5·2^-24 → 2^-24) and the row's largest codes
+// would clip: an INT8 row with x = −1.1e-5 decoded to −8.0e-6 (found by page_fuzz). Rounded up, every
+// code fits and the error stays within half a step. A normal nearest errs by ≤ 2^-11 relative: the
+// largest code comes to ≤ 127.07 (INT8) or 15.008 (INT4, lo's own rounding aside), which round to 127
+// and 15, so rows with a normal scale — max|x| ≥ 127·2^-14 ≈ 7.8e-3 (INT8), max − min ≥ 15·2^-14 ≈
+// 9.2e-4 (INT4) — keep the codes the nearest gives. The CUDA encoders (cuda/page_codec.cuh
+// RowScaleBits) make the same choice; `span` settles the one case where their divisions may differ
+// (an fp32-subnormal quotient, zero in one and not the other).
+KVPACK_HD inline uint16_t RowScaleToHalf(float v, float span) {
+  const uint16_t h = FloatToHalf(v);
+  if (h >= kHalfMinNormalBits) return h;
+  return HalfToFloat(h) < v || (h == 0 && span > 0.0f) ? static_cast<uint16_t>(h + 1u) : h;
+}
 
 KVPACK_HD inline void EncodeRowInt4(const float* x, int head_dim, uint8_t* codes, Int4RowMeta* meta) {
   float mn = x[0], mx = x[0];
@@ -215,7 +234,7 @@ KVPACK_HD inline void EncodeRowInt4(const float* x, int head_dim, uint8_t* codes
     mn = x[i] < mn ? x[i] : mn;
     mx = x[i] > mx ? x[i] : mx;
   }
-  meta->scale = FloatToHalf(ClampToHalfRange((mx - mn) / 15.0f));
+  meta->scale = RowScaleToHalf(ClampToHalfRange((mx - mn) / 15.0f), mx - mn);
   meta->lo = FloatToHalf(ClampToHalfRange(mn));
   const float scale = HalfToFloat(meta->scale);
   const float lo = HalfToFloat(meta->lo);
@@ -241,7 +260,7 @@ KVPACK_HD inline void DecodeRowInt4(const uint8_t* codes, Int4RowMeta meta, int 
 KVPACK_HD inline void EncodeRowInt8(const float* x, int head_dim, int8_t* codes, Int8RowMeta* meta) {
   float amax = 0.0f;
   for (int i = 0; i < head_dim; ++i) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-  meta->scale = FloatToHalf(ClampToHalfRange(amax / 127.0f));
+  meta->scale = RowScaleToHalf(ClampToHalfRange(amax / 127.0f), amax);
   const float scale = HalfToFloat(meta->scale);
   const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
   for (int i = 0; i < head_dim; ++i) {

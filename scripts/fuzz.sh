@@ -4,6 +4,7 @@
 # once), then fuzzing from the seeds in fuzz/corpus/<target>/ plus what earlier runs found
 # (kept in <build>/fuzz/corpus/<target>/, never written into the source tree).
 # Usage: scripts/fuzz.sh [seconds-per-target (60)] [target...]
+# KVPACK_FUZZ_RUNS=N stops each target after N executions, if that comes before the time.
 # Prints one line per target: execs, execs/s, coverage (edges), features, corpus size.
 # A crash, leak, timeout or OOM stops the script; the input is in <build>/fuzz/artifacts/.
 set -euo pipefail
@@ -32,9 +33,10 @@ for t in "${targets[@]}"; do
   fi
   # -timeout: one exec past 60 s is a hang (layer_fuzz's calls take milliseconds; its own call
   # deadline is 30 s). -rss_limit_mb: ASan's shadow plus gRPC's threads stay well below 4 GiB.
-  dict=()
-  [ -f "$here/fuzz/$t.dict" ] && dict=(-dict="$here/fuzz/$t.dict")
-  if ! "$bin" "$work" "$here/fuzz/corpus/$t" "${dict[@]}" -max_total_time="$seconds" -timeout=60 -rss_limit_mb=4096 \
+  extra=()  # the dictionary, a run limit
+  [ -f "$here/fuzz/$t.dict" ] && extra=(-dict="$here/fuzz/$t.dict")
+  [ -n "${KVPACK_FUZZ_RUNS:-}" ] && extra+=(-runs="$KVPACK_FUZZ_RUNS")
+  if ! "$bin" "$work" "$here/fuzz/corpus/$t" "${extra[@]}" -max_total_time="$seconds" -timeout=60 -rss_limit_mb=4096 \
        -print_final_stats=1 -artifact_prefix="$artifacts/$t-" >"$log" 2>&1; then
     tail -60 "$log"
     echo "fuzz: $t FAILED; the input is in $artifacts" >&2

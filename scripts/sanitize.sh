@@ -3,7 +3,7 @@
 #   asan  clang, AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer), with the libFuzzer
 #         targets (KVPACK_FUZZ): every target is built and the whole ctest runs. scripts/fuzz.sh
 #         runs the fuzz targets of this tree.
-#   tsan  clang, ThreadSanitizer, the core (pool, planner, scheduler, turns, executor via the
+#   tsan  clang, ThreadSanitizer, the core (pool, planner, scheduler, turns, executor via the runtime's
 #         engine, the CPU thread pool) and those targets' tests.
 # Usage: scripts/sanitize.sh [asan|tsan]...   (no argument: both)
 # Build trees: $KVPACK_ASAN_BUILD_DIR (build-asan), $KVPACK_TSAN_BUILD_DIR (build-tsan).

@@ -33,6 +33,14 @@ __device__ __forceinline__ float ReciprocalOfHalf(float s) {
   return fmaf(fmaf(-s, r, 1.0f), r, r);
 }
 
+// format.h's RowScaleToHalf with the hardware conversion: the nearest fp16 of a row's scale v ≥ 0, or the
+// next one up where the nearest is a subnormal below v, or zero while `span` is not (so no code clips).
+__device__ __forceinline__ uint16_t RowScaleBits(float v, float span) {
+  const uint16_t h = FloatToHalfBits(v);
+  if (h >= kHalfMinNormalBits) return h;
+  return HalfBits(h) < v || (h == 0 && span > 0.0f) ? static_cast<uint16_t>(h + 1u) : h;
+}
+
 // Integer codes become floats through the exponent trick: the float with bits 0x4b000000 | c is
 // 2^23 + c exactly (c < 2^23), so subtracting 2^23 gives c without an integer conversion (a
 // quarter-rate instruction on sm_90).
@@ -55,7 +63,7 @@ struct DevicePageCodec<PageFormat::kInt4> {
 #pragma unroll
     for (int i = 1; i < kPerLane; ++i) mn = fminf(mn, x[i]), mx = fmaxf(mx, x[i]);
     mn = WarpMin(mn), mx = WarpMax(mx);
-    const uint16_t scale_bits = FloatToHalfBits(ClampToHalfRange(DivideByReciprocal(mx - mn, 15.0f, kInv15)));
+    const uint16_t scale_bits = RowScaleBits(ClampToHalfRange(DivideByReciprocal(mx - mn, 15.0f, kInv15)), mx - mn);
     const uint16_t lo_bits = FloatToHalfBits(ClampToHalfRange(mn));
     const float scale = HalfBits(scale_bits), lo = HalfBits(lo_bits);
     const float inv = scale > 0.0f ? ReciprocalOfHalf(scale) : 0.0f;
@@ -88,7 +96,7 @@ struct DevicePageCodec<PageFormat::kInt8> {
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) amax = fmaxf(amax, fabsf(x[i]));
     amax = WarpMax(amax);
-    const uint16_t scale_bits = FloatToHalfBits(ClampToHalfRange(DivideByReciprocal(amax, 127.0f, kInv127)));
+    const uint16_t scale_bits = RowScaleBits(ClampToHalfRange(DivideByReciprocal(amax, 127.0f, kInv127)), amax);
     const float scale = HalfBits(scale_bits);
     const float inv = scale > 0.0f ? ReciprocalOfHalf(scale) : 0.0f;
     uint32_t packed = 0;

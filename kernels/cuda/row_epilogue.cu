@@ -207,6 +207,20 @@ __global__ void HalfReciprocalCheckKernel(int* mismatches) {
   if (__float_as_uint(ReciprocalOfHalf(s)) != __float_as_uint(__frcp_rn(s))) atomicAdd(mismatches, 1);
 }
 
+// One warp per row (EncodeRowsOnDevice): lane l holds channels l·kPerLane …, as the row epilogue's.
+template <PageFormat F, int kPerLane>
+__global__ void EncodeRowsKernel(const float* rows, int64_t n_rows, uint8_t* pages) {
+  constexpr int kDim = 32 * kPerLane;
+  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= n_rows) return;
+  float x[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) x[i] = rows[row * kDim + lane * kPerLane + i];
+  uint8_t* page = pages + (row / kPageTokens) * PageBytes(F, kDim);
+  DevicePageCodec<F>::template StoreRow<kPerLane>(x, lane, static_cast<int>(row % kPageTokens), page);
+}
+
 __global__ void GatherRowsKernel(const uint16_t* x, int64_t hidden, const int64_t* token_index, uint16_t* out) {
   const int64_t row = blockIdx.x;
   const uint4* src = reinterpret_cast<const uint4*>(x + token_index[row] * hidden);
@@ -310,6 +324,36 @@ Error CountHalfReciprocalMismatches(int* mismatches) {
   }
   cudaFree(device);
   return CudaError(status, "half reciprocal check");
+}
+
+Error EncodeRowsOnDevice(PageFormat format, int head_dim, const float* rows, int64_t n_rows, uint8_t* pages) {
+  if (head_dim != 64 && head_dim != 128) return Unsupported("row encoder check: head_dim " + std::to_string(head_dim));
+  const uint64_t row_bytes = static_cast<uint64_t>(n_rows) * head_dim * sizeof(float);
+  const uint64_t page_bytes = static_cast<uint64_t>((n_rows + kPageTokens - 1) / kPageTokens) * PageBytes(format, head_dim);
+  float* device_rows = nullptr;
+  uint8_t* device_pages = nullptr;
+  cudaError_t status = cudaMalloc(&device_rows, row_bytes);
+  if (status == cudaSuccess) status = cudaMalloc(&device_pages, page_bytes);
+  if (status == cudaSuccess) status = cudaMemcpy(device_rows, rows, row_bytes, cudaMemcpyHostToDevice);
+  if (status == cudaSuccess) status = cudaMemset(device_pages, 0, page_bytes);
+  if (status == cudaSuccess && n_rows > 0) {
+    constexpr int kWarps = 8;
+    const unsigned blocks = static_cast<unsigned>((n_rows + kWarps - 1) / kWarps);
+    DispatchFormat(format, [&](auto tag) {
+      constexpr PageFormat F = decltype(tag)::kFormat;
+      if (head_dim == 128) {
+        EncodeRowsKernel<F, 4><<<blocks, 32 * kWarps>>>(device_rows, n_rows, device_pages);
+      } else {
+        EncodeRowsKernel<F, 2><<<blocks, 32 * kWarps>>>(device_rows, n_rows, device_pages);
+      }
+      return 0;
+    });
+    status = cudaGetLastError();
+  }
+  if (status == cudaSuccess) status = cudaMemcpy(pages, device_pages, page_bytes, cudaMemcpyDeviceToHost);
+  cudaFree(device_rows);
+  cudaFree(device_pages);
+  return CudaError(status, "row encoder check");
 }
 
 Error LaunchGatherRows(const uint16_t* x, int64_t hidden, const int64_t* token_index, int64_t n, uint16_t* out,

@@ -89,6 +89,13 @@ Error LaunchRowEpilogue(RowMode mode, const RowEpilogueParams& params, cudaStrea
 // the positive finite half values s get a result other than __frcp_rn(s)'s (0 expected). Synchronous.
 Error CountHalfReciprocalMismatches(int* mismatches);
 
+// A check of the warp row encoders (page_codec.cuh DevicePageCodec<F>::StoreRow, what kPackKv writes)
+// against the host's (format.h): encodes `n_rows` float rows of `head_dim` (64 or 128) channels from
+// host memory, row i into slot i % kPageTokens of page i / kPageTokens of `format`, and copies the
+// pages back to `pages` (host, ⌈n_rows / kPageTokens⌉ · PageBytes(format, head_dim) bytes; slots past
+// n_rows are zero). Synchronous; for tests.
+Error EncodeRowsOnDevice(PageFormat format, int head_dim, const float* rows, int64_t n_rows, uint8_t* pages);
+
 // Copies rows token_index[i] of x ([N, hidden] bf16) to out [n, hidden].
 Error LaunchGatherRows(const uint16_t* x, int64_t hidden, const int64_t* token_index, int64_t n, uint16_t* out,
                        cudaStream_t stream);

@@ -154,7 +154,7 @@ struct BackendOptions {
 //                                            absl::Status* refused);
 // with ReadsHostMemory() false, IoBytes() = HostStagingBytes, a VMM-backed Arena, OpenIpcRegion,
 // QueryDeviceMemory and a sticky Healthy(). The engine stages inline and shm tensors through the pool
-// with CopyToPool/CopyFromPool; tests/server/service/engine_test.cc runs that path on a CPU backend
+// with CopyToPool/CopyFromPool; tests/server/runtime/engine_test.cc runs that path on a CPU backend
 // dressed as a device, tests/server/service/cuda_daemon_test.cc on the GPU.
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const BackendOptions& options, std::string* note);
 

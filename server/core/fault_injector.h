@@ -21,7 +21,9 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 
+#include "absl/status/status.h"
 #include "server/core/pool.h"
 
 namespace kvpack::server {
@@ -34,6 +36,9 @@ class FaultInjector {
  public:
   // Makes the n-th call at `site` from now fail (n = 1: the next one), once; n = 0 disarms.
   void FailNth(FaultSite site, uint64_t n);
+  // Makes every `period`-th call at `site` from now on fail (period = 0 stops it), as well as any
+  // FailNth: kvpackd's --fault_every, for soaks and the GPU fault tests.
+  void FailEvery(FaultSite site, uint64_t period);
   // Called by a site before its work: counts the call; true when this call must fail.
   bool ShouldFail(FaultSite site);
   // Calls counted at `site` since the start (a test counts a scenario's calls, then fails each).
@@ -45,11 +50,17 @@ class FaultInjector {
   struct Counter {
     uint64_t calls = 0;
     uint64_t fail_at = 0;  // the call number that fails; 0: none
+    uint64_t period = 0;   // every period-th call after period_from fails; 0: none
+    uint64_t period_from = 0;
     uint64_t injected = 0;
   };
   mutable std::mutex mu_;
   std::array<Counter, kNumFaultSites> sites_{};
 };
+
+// Applies "SITE:N[,SITE:N...]" (SITE a FaultSiteName, N ≥ 1) as FailEvery(SITE, N) to `faults`;
+// INVALID_ARGUMENT naming the bad part otherwise (nothing applied).
+absl::Status ApplyFaultEvery(const std::string& spec, FaultInjector* faults);
 
 // `arena` whose Allocate fails (returns null, as when the memory is not there) whenever `faults`
 // says so at `site`. REQUIRES: faults outlives the arena.

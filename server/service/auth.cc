@@ -7,7 +7,7 @@
 #include <grpcpp/support/byte_buffer.h>
 
 #include "absl/strings/str_cat.h"
-#include "server/service/bounded.h"
+#include "server/runtime/bounded.h"
 
 namespace kvpack::server {
 namespace {

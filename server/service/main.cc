@@ -20,9 +20,9 @@
 
 #include "server/backends/backend.h"
 #include "server/core/policy_parse.h"
-#include "server/service/options.h"
+#include "server/runtime/options.h"
+#include "server/runtime/shm_guard.h"
 #include "server/service/service.h"
-#include "server/service/shm_guard.h"
 
 namespace kvpack::server {
 namespace {
@@ -120,6 +120,15 @@ int Main(int argc, char** argv) {
   const DeviceMemory dm = (*backend)->QueryDeviceMemory();
   const uint64_t free_bytes = dm.present ? dm.free_bytes : HostAvailableBytes();
   EngineOptions eo;
+  FaultInjector faults;  // outlives the engine; consulted only with --fault_every
+  if (!o.fault_every.empty()) {
+    if (absl::Status s = ApplyFaultEvery(o.fault_every, &faults); !s.ok()) {
+      return Fail("--fault_every=" + std::string(s.message()));
+    }
+    eo.faults = &faults;
+    std::fprintf(stderr, "kvpackd: fault injection on (--fault_every=%s): a test hook, not for production\n",
+                 o.fault_every.c_str());
+  }
   eo.budget_bytes = o.vram_budget.Resolve(free_bytes);
   if (eo.budget_bytes == 0) return Fail("--vram_budget resolves to 0 bytes");
   eo.scheduler.max_queue = static_cast<size_t>(o.max_queue);

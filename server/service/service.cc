@@ -4,8 +4,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/service/bounded.h"
 #include "server/core/policy_parse.h"
+#include "server/runtime/bounded.h"
 #include "server/service/convert.h"
 #include "server/service/status_map.h"
 

@@ -10,8 +10,8 @@
 #include <string>
 
 #include "kvpack/v1/kvpack.grpc.pb.h"
+#include "server/runtime/engine.h"
 #include "server/service/auth.h"
-#include "server/service/engine.h"
 
 namespace kvpack::server {
 

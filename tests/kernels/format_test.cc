@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -89,6 +91,90 @@ TEST(Format, QuantizedRowsDecodeWithinHalfAStep) {
       }
     }
   }
+}
+
+// Rows small enough that their fp16 scale is subnormal (INT8 max|x| < 127·2^-14, INT4 max − min <
+// 15·2^-14): the scale rounds up, so the largest codes do not clip and the error stays within half
+// of the step as stored. Before, page_fuzz's row below decoded x = −1.056e-5 as −7.6e-6 (code −127
+// of 2^-24, clipped from −177); now the scale is 2·2^-24 and the code −89.
+TEST(Format, SubnormalScalesRoundUpSoNoCodeClips) {
+  std::vector<float> x(16, 2.5784852e-9f);  // the fuzz finding's row (d = 16)
+  x[5] = -1.0561475e-5f;
+  int8_t codes[16];
+  Int8RowMeta meta;
+  EncodeRowInt8(x.data(), 16, codes, &meta);
+  EXPECT_EQ(meta.scale, 2);  // 2·2^-24 ≥ max|x| / 127 = 1.39·2^-24 (nearest: 1·2^-24)
+  EXPECT_EQ(codes[5], -89);
+  std::vector<float> y(16);
+  DecodeRowInt8(codes, meta, 16, y.data());
+  EXPECT_LE(std::fabs(y[5] - x[5]), 0.5f * HalfToFloat(meta.scale));
+
+  // A sweep over the whole subnormal range and just past it, both integer formats: error ≤ half of
+  // the stored step (INT4: plus lo's own fp16 rounding, half a subnormal ulp here).
+  std::mt19937_64 rng(0x7375626e);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  constexpr float kLoRounding = 0x1p-25f;
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int d = 16 << (trial % 5);
+    const float magnitude = std::ldexp(1.0f, -34 + trial % 27);  // 2^-34 … 2^-8
+    std::vector<float> row(d), got(d);
+    for (float& v : row) v = magnitude * normal(rng) + (trial % 3 == 0 ? magnitude : 0.0f);
+    std::vector<uint8_t> page(PageBytes(PageFormat::kInt8, d));
+    for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8}) {
+      EncodePageRow(f, row.data(), d, 0, page.data());
+      DecodePageRow(f, page.data(), d, 0, got.data());
+      uint16_t scale_bits;
+      std::memcpy(&scale_bits, page.data() + MetaOffset(f, d), 2);
+      const float step = HalfToFloat(scale_bits);
+      for (int i = 0; i < d; ++i) {
+        const float bound = kHalfStepSlack * step + (f == PageFormat::kInt4 ? kLoRounding : 0.0f);
+        ASSERT_LE(std::fabs(got[i] - row[i]), bound) << "format " << int(f) << " d " << d << " trial " << trial;
+      }
+    }
+  }
+}
+
+// Rows whose scale is a normal fp16 keep the nearest: ordinary data encodes as it always has.
+TEST(Format, NormalScalesStayTheNearest) {
+  std::mt19937_64 rng(77);
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::vector<float> x = StructuredRow(rng, 64);
+    float mn = x[0], mx = x[0], amax = 0;
+    for (float v : x) mn = std::min(mn, v), mx = std::max(mx, v), amax = std::max(amax, std::fabs(v));
+    int8_t codes8[64];
+    uint8_t codes4[32];
+    Int8RowMeta m8;
+    Int4RowMeta m4;
+    EncodeRowInt8(x.data(), 64, codes8, &m8);
+    EncodeRowInt4(x.data(), 64, codes4, &m4);
+    EXPECT_EQ(m8.scale, FloatToHalf(amax / 127.0f));
+    EXPECT_EQ(m4.scale, FloatToHalf((mx - mn) / 15.0f));
+  }
+  const float any_span = 1.0f;  // (only its sign matters below the normal range)
+  EXPECT_EQ(RowScaleToHalf(std::ldexp(1.0f, -14), any_span), kHalfMinNormalBits);
+  EXPECT_EQ(RowScaleToHalf(std::ldexp(1.25f, -24), any_span), 0x0002);  // nearest 0x0001 is below: up
+  EXPECT_EQ(RowScaleToHalf(std::ldexp(1.0f, -26), any_span), 0x0001);   // nearest 0 is below: up
+  EXPECT_EQ(RowScaleToHalf(std::ldexp(3.0f, -24), any_span), 0x0003);   // exact
+  EXPECT_EQ(RowScaleToHalf(0.0f, 0.0f), 0x0000);                       // an all-zero row
+  EXPECT_EQ(RowScaleToHalf(0.0f, std::ldexp(1.0f, -149)), 0x0001);     // span/127 underflowed fp32
+}
+
+// page_fuzz's second finding on this branch: a row whose max|x| is an fp32 subnormal (1.4e-45) has
+// max|x| / 127 = 0 in fp32; its scale is the smallest fp16, not 0, and it decodes within half a step.
+TEST(Format, Fp32SubnormalRowsKeepANonzeroScale) {
+  std::vector<float> x(32, 0.0f);
+  x[0] = std::ldexp(1.0f, -149);
+  int8_t codes[32];
+  Int8RowMeta meta;
+  EncodeRowInt8(x.data(), 32, codes, &meta);
+  EXPECT_EQ(meta.scale, 0x0001);
+  std::vector<float> y(32);
+  DecodeRowInt8(codes, meta, 32, y.data());
+  for (int i = 0; i < 32; ++i) EXPECT_LE(std::fabs(y[i] - x[i]), 0.5f * HalfToFloat(meta.scale)) << i;
+  uint8_t codes4[16];
+  Int4RowMeta meta4;
+  EncodeRowInt4(x.data(), 32, codes4, &meta4);
+  EXPECT_EQ(meta4.scale, 0x0001);
 }
 
 TEST(Rotation, IsOrthogonalAndInvertible) {

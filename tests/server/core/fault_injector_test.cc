@@ -59,6 +59,34 @@ TEST(FaultInjector, ArenaFailsAsWhenMemoryIsMissing) {
   EXPECT_TRUE(c.ok());
 }
 
+TEST(FaultInjector, FailEveryRepeatsFromNowAndStopsAtZero) {
+  FaultInjector f;
+  EXPECT_FALSE(f.ShouldFail(FaultSite::kShmMap));  // counted before the period starts
+  f.FailEvery(FaultSite::kShmMap, 3);
+  std::vector<bool> got;
+  for (int i = 0; i < 7; ++i) got.push_back(f.ShouldFail(FaultSite::kShmMap));
+  EXPECT_EQ(got, (std::vector<bool>{false, false, true, false, false, true, false}));
+  EXPECT_EQ(f.Injected(FaultSite::kShmMap), 2u);
+  EXPECT_FALSE(f.ShouldFail(FaultSite::kHostAlloc));  // other sites untouched
+  f.FailEvery(FaultSite::kShmMap, 0);
+  for (int i = 0; i < 5; ++i) EXPECT_FALSE(f.ShouldFail(FaultSite::kShmMap));
+}
+
+TEST(FaultInjector, ApplyFaultEveryParsesSitesAndRefusesTheRest) {
+  FaultInjector f;
+  ASSERT_TRUE(ApplyFaultEvery("host_alloc:2,shm_map:1", &f).ok());
+  EXPECT_FALSE(f.ShouldFail(FaultSite::kHostAlloc));
+  EXPECT_TRUE(f.ShouldFail(FaultSite::kHostAlloc));
+  EXPECT_TRUE(f.ShouldFail(FaultSite::kShmMap));
+  EXPECT_FALSE(f.ShouldFail(FaultSite::kVmmMap));
+  for (const char* bad : {"", "host_alloc", "host_alloc:0", "host_alloc:x", "disk:3", "vmm_map:2,", ":4"}) {
+    FaultInjector g;
+    const absl::Status s = ApplyFaultEvery(bad, &g);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_FALSE(g.ShouldFail(FaultSite::kVmmMap)) << "nothing applied on " << bad;
+  }
+}
+
 TEST(FaultInjector, SiteNames) {
   EXPECT_STREQ(FaultSiteName(FaultSite::kHostAlloc), "host_alloc");
   EXPECT_STREQ(FaultSiteName(FaultSite::kVmmMap), "vmm_map");

@@ -1,4 +1,4 @@
-#include "server/service/shm_guard.h"
+#include "server/runtime/shm_guard.h"
 
 #include <signal.h>
 #include <sys/mman.h>

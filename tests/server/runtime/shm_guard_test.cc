@@ -1,6 +1,6 @@
 // The SIGBUS guard: an access past the end of a truncated shared-memory object reads zero pages and
 // marks the range, instead of killing the process.
-#include "server/service/shm_guard.h"
+#include "server/runtime/shm_guard.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -1,6 +1,6 @@
 // The Engine without gRPC: a layer job planned, admitted and run on the executor; and the staging
 // path of backends that cannot read host memory, exercised by the CPU backend dressed as a device.
-#include "server/service/engine.h"
+#include "server/runtime/engine.h"
 
 #include <gtest/gtest.h>
 

@@ -33,6 +33,7 @@ struct DaemonOptions {
   int max_handles_per_tenant = 4096;
   int layer_nice = 10;             // nice value of the executor threads (0..19)
   double drain_seconds = 30;       // SIGTERM: how long in-flight calls may take to finish
+  std::string fault_every;         // test hook: "SITE:N,..." fails every N-th call at SITE (fault_injector.h)
   bool help = false;
 };
 

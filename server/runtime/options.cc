@@ -1,4 +1,4 @@
-#include "server/service/options.h"
+#include "server/runtime/options.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -40,6 +40,8 @@ const char* DaemonUsage() {
                            are not starved by CPU layer work (default 10)
   --drain_seconds=S        on SIGTERM/SIGINT, time in-flight calls get to finish (default 30)
   --policy_file=F          precision policies by block, timestep and range role (docs/policies.md)
+  --fault_every=SITE:N[,SITE:N]  test hook, never for production: fail every N-th call at SITE
+                           (host_alloc, vmm_map, shm_map, device_call; docs/reliability.md) (default off)
 )";
 }
 
@@ -59,7 +61,7 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
                                          "max_chunk_tokens", "lease_seconds", "tenant_quota", "max_inline_bytes",
                                          "drain_seconds", "max_inline_bytes_in_flight", "max_chunks_per_call",
                                          "max_regions", "max_regions_per_tenant", "layer_nice",
-                                         "max_handles", "max_handles_per_tenant", "policy_file"};
+                                         "max_handles", "max_handles_per_tenant", "policy_file", "fault_every"};
     if (std::find(std::begin(kKnown), std::end(kKnown), bare) == std::end(kKnown)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", bare, " (see --help)"));
     }
@@ -102,6 +104,7 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
     else if (name == "tls_cert_file") o.tls_cert_file = value;
     else if (name == "tls_key_file") o.tls_key_file = value;
     else if (name == "policy_file") o.policy_file = value;
+    else if (name == "fault_every") o.fault_every = value;
     else if (name == "threads") s = to_int(&o.threads, 1);
     else if (name == "cpu_threads") s = to_int(&o.cpu_threads, 0);
     else if (name == "max_queue") s = to_int(&o.max_queue, 1);

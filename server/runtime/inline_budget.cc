@@ -1,4 +1,4 @@
-#include "server/service/inline_budget.h"
+#include "server/runtime/inline_budget.h"
 
 #include "absl/strings/str_cat.h"
 

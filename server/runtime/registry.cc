@@ -1,4 +1,4 @@
-#include "server/service/registry.h"
+#include "server/runtime/registry.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -11,8 +11,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/service/bounded.h"
-#include "server/service/shm_guard.h"
+#include "server/runtime/bounded.h"
+#include "server/runtime/shm_guard.h"
 
 namespace kvpack::server {
 

@@ -1,6 +1,6 @@
 // Registry: tenant scoping, leases on a manual clock (no sleeps), in-use entries survive, and
 // unregistering a region waits for its users.
-#include "server/service/registry.h"
+#include "server/runtime/registry.h"
 
 #include <gtest/gtest.h>
 

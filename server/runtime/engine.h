@@ -29,9 +29,9 @@
 #include "server/core/pool.h"
 #include "server/core/scheduler.h"
 #include "server/core/turns.h"
-#include "server/service/inline_budget.h"
-#include "server/service/metrics.h"
-#include "server/service/registry.h"
+#include "server/runtime/inline_budget.h"
+#include "server/runtime/metrics.h"
+#include "server/runtime/registry.h"
 
 namespace kvpack::server {
 

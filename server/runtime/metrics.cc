@@ -1,4 +1,4 @@
-#include "server/service/metrics.h"
+#include "server/runtime/metrics.h"
 
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>

@@ -18,7 +18,7 @@
 #include "kernels/format.h"
 #include "server/backends/backend.h"
 #include "server/core/pool.h"
-#include "server/service/metrics_http.h"
+#include "server/runtime/metrics_http.h"
 
 namespace prometheus {
 class Counter;

@@ -1,4 +1,4 @@
-#include "server/service/engine.h"
+#include "server/runtime/engine.h"
 
 #include <new>
 #include <utility>

@@ -1,4 +1,4 @@
-#include "server/service/metrics_http.h"
+#include "server/runtime/metrics_http.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
