@@ -81,6 +81,21 @@ grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* KvpackService::Att
   return NewLayerCall(this, context, LayerMode::kAttend);
 }
 
+grpc::ServerUnaryReactor* KvpackService::AttentionLayerRegions(grpc::CallbackServerContext* context,
+                                                               const v1::LayerHeader* header, v1::LayerResult* result) {
+  return NewLayerRegionsCall(this, context, LayerMode::kFull, header, result);
+}
+
+grpc::ServerUnaryReactor* KvpackService::ProjectRegions(grpc::CallbackServerContext* context,
+                                                        const v1::LayerHeader* header, v1::LayerResult* result) {
+  return NewLayerRegionsCall(this, context, LayerMode::kProject, header, result);
+}
+
+grpc::ServerUnaryReactor* KvpackService::AttendRegions(grpc::CallbackServerContext* context,
+                                                       const v1::LayerHeader* header, v1::LayerResult* result) {
+  return NewLayerRegionsCall(this, context, LayerMode::kAttend, header, result);
+}
+
 grpc::ServerUnaryReactor* KvpackService::ReleaseWeights(grpc::CallbackServerContext* context,
                                                         const v1::ReleaseRequest* request, v1::ReleaseResponse*) {
   absl::StatusOr<std::string> tenant = Admit(*context);

@@ -59,6 +59,9 @@ class Client:
         self.target = target
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
+        # Layer calls with every tensor in a region go over the unary *Regions methods (one
+        # message each way); False after a daemon answered UNIMPLEMENTED (older than them).
+        self.unary_layers = True
         self._metadata = []
         if token:
             self._metadata.append(("authorization", f"Bearer {token}"))
@@ -228,7 +231,24 @@ class Client:
         return self._stream_layer(method, header, inline, n_tokens, output, timeout)
 
     def _stream_layer(self, method, header, inline, n_tokens, output, timeout):
-        """Sets the output of `header`, streams it and the inline tensors, collects the result."""
+        """Sets the output of `header` and runs the call: over the unary <method>Regions when no
+        tensor travels inline (every input and the output in regions), else streams the header
+        and the inline tensors and collects the result and the inline output."""
+        self._set_output(method, header, output)
+        if not inline and self.unary_layers and \
+                (method == "Project" or header.output.mode != pb.OUTPUT_INLINE):
+            try:
+                return LayerOutput(None, self._unary(method + "Regions", header, timeout))
+            except KvpackError as e:
+                # gRPC answers a method the server lacks UNIMPLEMENTED with no message; the
+                # daemon's own UNIMPLEMENTED (sparse attention on CUDA) names the field.
+                if e.code != grpc.StatusCode.UNIMPLEMENTED or e.details:
+                    raise
+                self.unary_layers = False   # a daemon from before the unary calls: stream
+        return self._streamed(method, header, inline, n_tokens, timeout)
+
+    @staticmethod
+    def _set_output(method, header, output):
         if method == "Project":
             header.output.mode = pb.OUTPUT_NONE
         elif isinstance(output, RegionSlice):
@@ -241,6 +261,7 @@ class Client:
         elif output not in (None, "inline"):
             raise ValueError("output must be None, 'inline', 'in_place' or a RegionSlice")
 
+    def _streamed(self, method, header, inline, n_tokens, timeout):
         def requests():
             yield pb.LayerRequest(header=header)
             for tensor_id, array in inline:
@@ -316,6 +337,15 @@ class Client:
         event the caller recorded after writing tensors in CUDA IPC regions; the daemon waits for
         it instead of the caller synchronising (only where Status.cuda_wait_event is true).
         Returns LayerOutput(output [N, H·d], result)."""
+        header, inline, n_tokens = self._projected_header(
+            q, k, v, n_heads=n_heads, head_dim=head_dim, ranges=ranges, layout=layout,
+            row_stride=row_stride, batch=batch, n_tokens=n_tokens, options=options,
+            keep_kv=keep_kv, priority=priority, cuda_wait_event=cuda_wait_event)
+        return self._stream_layer("AttentionLayer", header, inline, n_tokens, output, timeout)
+
+    def _projected_header(self, q, k, v, *, n_heads, head_dim, ranges, layout, row_stride,
+                          batch, n_tokens, options, keep_kv, priority, cuda_wait_event):
+        """attention_projected's header, inline tensors and token count."""
         hd = n_heads * head_dim
         refs, inline = [], []
         for name, t, tid in (("q", q, pb.TENSOR_Q), ("k", k, pb.TENSOR_K), ("v", v, pb.TENSOR_V)):
@@ -349,7 +379,7 @@ class Client:
         p.v.CopyFrom(refs[2])
         if cuda_wait_event is not None:
             header.cuda_wait_event = bytes(cuda_wait_event)
-        return self._stream_layer("AttentionLayer", header, inline, n_tokens, output, timeout)
+        return header, inline, n_tokens
 
     def release_kv(self, kv_handle, timeout=None):
         self._unary("ReleaseKv", pb.ReleaseRequest(handle=kv_handle), timeout)

@@ -142,6 +142,42 @@ def test_shared_memory_region_in_and_out(client):
         shm.unlink()
 
 
+@pytest.mark.parametrize("unary", [True, False], ids=["unary", "daemon-without-unary"])
+def test_calls_with_every_tensor_in_a_region_go_unary(client, daemon, unary):
+    daemon.service.unary_regions = unary
+    x, w, _ = layer_inputs(n=23)
+    out_bytes = 23 * H * D_HEAD * 2
+    shm = shared_memory.SharedMemory(create=True, size=x.nbytes + 64 + out_bytes)
+    try:
+        shm.buf[64:64 + x.nbytes] = x.tobytes()
+        region = client.register_shm("/" + shm.name, shm.size)
+        weights = client.register_weights(w, n_heads=H, head_dim=D_HEAD)
+        x_ref = RegionSlice(region, 64, x.nbytes)
+        kw = dict(n_heads=H, head_dim=D_HEAD, ranges=[Range(0, 23)], n_tokens=23, hidden=HIDDEN)
+        # Inline x: the stream, whatever the daemon has.
+        inline = client.attention_layer(x, weights, n_heads=H, head_dim=D_HEAD,
+                                        ranges=[Range(0, 23)])
+        assert daemon.service.unary_calls == [] and client.unary_layers
+        kv = client.project(x_ref, weights, **kw)
+        res = client.attend(x_ref, weights, kv.result.kv_handle,
+                            output=RegionSlice(region, 64 + x.nbytes, out_bytes), **kw)
+        assert res.output is None
+        got = np.frombuffer(bytes(shm.buf[64 + x.nbytes:]), dtype=np.uint16).reshape(23, -1)
+        np.testing.assert_array_equal(got, inline.output)
+        # x in a region but the output inline: the stream.
+        again = client.attention_layer(x_ref, weights, **kw)
+        np.testing.assert_array_equal(again.output, inline.output)
+        if unary:
+            assert daemon.service.unary_calls == ["ProjectRegions", "AttendRegions"]
+            assert client.unary_layers
+        else:   # asked once, then remembered
+            assert daemon.service.unary_calls == [] and not client.unary_layers
+        client.unregister_region(region)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
 def test_errors_carry_code_and_message(client, daemon):
     x, w, _ = layer_inputs(n=11)
     with pytest.raises(kvpack.NotFound) as e:
