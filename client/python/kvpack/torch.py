@@ -376,6 +376,7 @@ class ProjectedAttention:
         self.use_events = True          # stream order by CUDA IPC events where the daemon can
         self._events = threading.local()    # per thread: {device index: interprocess event}
         self._op_id = torch_ops.register(self)
+        self._ranges = {}               # (B, N) -> the packed ranges of the call
 
     def __call__(self, q, k, v):
         if torch_ops.compiling():     # one opaque op in the graph (kvpack::projected_attention)
@@ -401,7 +402,11 @@ class ProjectedAttention:
 
     def _attend(self, q, k, v):
         b, n, h, d = q.shape
-        ranges = pack_batch([Range(0, n, 0, self.formats)], b, n)
+        ranges = self._ranges.get((b, n))
+        if ranges is None:          # one entry per sequence shape the model uses
+            if len(self._ranges) >= 64:
+                self._ranges.clear()
+            ranges = self._ranges[(b, n)] = pack_batch([Range(0, n, 0, self.formats)], b, n)
         if self.regions is not None and all(self.regions.reaches(t) for t in (q, k, v)):
             try:
                 return self._by_ipc(q, k, v, ranges)
@@ -439,9 +444,10 @@ class ProjectedAttention:
         kwargs = dict(n_heads=h, head_dim=d, ranges=ranges, layout=layout, row_stride=row_stride,
                       batch=batch, n_tokens=n_tokens, options=self.options,
                       priority=self.priority, output=out_slice, timeout=self.timeout)
-        event = self._caller_event(q.device)
+        stream = torch.cuda.current_stream(q.device)
+        event = self._caller_event(q.device, stream)
         if event is None:
-            torch.cuda.current_stream(q.device).synchronize()  # q, k, v written before it reads
+            stream.synchronize()        # q, k, v written before it reads
         try:
             res = self.client.attention_projected(*slices, cuda_wait_event=event, **kwargs)
         except KvpackError as e:
@@ -451,13 +457,13 @@ class ProjectedAttention:
             log.warning("kvpack: the daemon cannot wait for this process's events (%s); "
                         "synchronising instead", e.details)
             self.use_events = False
-            torch.cuda.current_stream(q.device).synchronize()
+            stream.synchronize()
             res = self.client.attention_projected(*slices, **kwargs)
         self.last_result, self.last_transport = res.result, "cuda_ipc"
         # kvpackd synchronised its stream before answering: `out` holds the result.
         return out.view(b, n, h, d).to(q.dtype)
 
-    def _caller_event(self, device):
+    def _caller_event(self, device, stream):
         """The IPC handle of an event recorded now on the current stream — after the work that
         writes q, k, v and allocates the output — for the daemon to wait for (header.
         cuda_wait_event), or None where the daemon cannot (then the caller synchronises). One
@@ -472,7 +478,7 @@ class ProjectedAttention:
         if entry is None:
             entry = [torch.cuda.Event(interprocess=True), None]   # timing off, as IPC requires
             events[device.index] = entry
-        entry[0].record(torch.cuda.current_stream(device))
+        entry[0].record(stream)
         if entry[1] is None:
             entry[1] = bytes(entry[0].ipc_handle())       # exists once the event was recorded
         return entry[1]

@@ -246,3 +246,20 @@ def test_from_env(monkeypatch, tmp_path):
         with kvpack.Client.from_env(timeout=5) as c:
             with pytest.raises(kvpack.Unauthenticated):
                 c.status()
+
+
+def test_region_headers_come_from_a_template_equal_to_a_fresh_build(client):
+    kw = dict(n_heads=H, head_dim=D_HEAD, layout="token_major", row_stride=3 * H * D_HEAD,
+              batch=0, n_tokens=41, options=LayerOptions(causal=True), keep_kv=False, priority=3)
+    span = 2 * (40 * 3 * H * D_HEAD + H * D_HEAD)
+    for call, base in enumerate((0, 4096)):
+        slices = [RegionSlice("r-1", base + i * 2 * H * D_HEAD, span) for i in range(3)]
+        event = bytes(range(64)) if call else None
+        got, inline, n = client._projected_header(
+            *slices, ranges=[Range(0, 41, 0, ("int8", "int4"))], cuda_wait_event=event, **kw)
+        # A list of formats cannot key the cache: the header is built from scratch.
+        want, _, _ = client._projected_header(
+            *slices, ranges=[Range(0, 41, 0, ["int8", "int4"])], cuda_wait_event=event, **kw)
+        assert inline == [] and n == 41
+        assert got == want and got.projected.k.region.offset == base + 2 * H * D_HEAD
+    assert len(client._templates) == 1
