@@ -64,6 +64,7 @@ class Client:
         # message each way); False after a daemon answered UNIMPLEMENTED (older than them).
         self.unary_layers = True
         self._templates = {}        # headers of region-only projected calls, by call shape
+        self.last_layer_method = None   # the RPC of the last layer call ("AttentionLayerRegions")
         self._metadata = []
         if token:
             self._metadata.append(("authorization", f"Bearer {token}"))
@@ -240,13 +241,16 @@ class Client:
         if not inline and self.unary_layers and \
                 (method == "Project" or header.output.mode != pb.OUTPUT_INLINE):
             try:
-                return LayerOutput(None, self._unary(method + "Regions", header, timeout))
+                result = self._unary(method + "Regions", header, timeout)
+                self.last_layer_method = method + "Regions"
+                return LayerOutput(None, result)
             except KvpackError as e:
                 # gRPC answers a method the server lacks UNIMPLEMENTED with no message; the
                 # daemon's own UNIMPLEMENTED (sparse attention on CUDA) names the field.
                 if e.code != grpc.StatusCode.UNIMPLEMENTED or e.details:
                     raise
                 self.unary_layers = False   # a daemon from before the unary calls: stream
+        self.last_layer_method = method
         return self._streamed(method, header, inline, n_tokens, timeout)
 
     @staticmethod

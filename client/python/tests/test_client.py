@@ -167,6 +167,7 @@ def test_calls_with_every_tensor_in_a_region_go_unary(client, daemon, unary):
         # x in a region but the output inline: the stream.
         again = client.attention_layer(x_ref, weights, **kw)
         np.testing.assert_array_equal(again.output, inline.output)
+        assert client.last_layer_method == "AttentionLayer"
         if unary:
             assert daemon.service.unary_calls == ["ProjectRegions", "AttendRegions"]
             assert client.unary_layers

@@ -99,6 +99,42 @@ def test_steady_state_registers_nothing(cuda_client):
     assert sum(regs[steady]) == 0, regs
 
 
+def test_unary_call_against_the_stream(cuda_client):
+    """The same steady-state calls over the unary AttentionLayerRegions and over the streamed
+    AttentionLayer (the client's unary_layers off): bit-identical outputs, and the time outside
+    the daemon of each (issue 17: the stream's extra messages and thread hand-offs)."""
+    n = int(os.environ.get("KVPACK_SEGMENTS_TOKENS", "32760"))
+    calls = int(os.environ.get("KVPACK_SEGMENTS_CALLS", "12"))
+    attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
+    q, k, v = split(fused_qkv(1, n, seed=50))
+    figures, outputs = {}, {}
+    for unary in (False, True, False, True):      # interleaved: drift hits both alike
+        cuda_client.unary_layers = unary
+        outside, wall, daemon_s = [], [], []
+        for _ in range(calls):
+            out = attend(q, k, v)
+            torch.cuda.synchronize()
+            outside.append(attend.last_outside_s)
+            wall.append(attend.last_wall_s)
+            daemon_s.append(attend.last_result.seconds.total)
+        method = cuda_client.last_layer_method
+        assert method == ("AttentionLayerRegions" if unary else "AttentionLayer")
+        outputs.setdefault(method, out.cpu())
+        figures.setdefault(method, ([], [], []))
+        for acc, values in zip(figures[method], (outside, wall, daemon_s)):
+            acc.extend(values[WARMUP_CALLS:])
+    cuda_client.unary_layers = True
+    same = torch.equal(outputs["AttentionLayer"], outputs["AttentionLayerRegions"])
+    for method, (outside, wall, daemon_s) in figures.items():
+        print(f"\nFIGURE unary method={method} tokens={n} heads={H}x{D} outside_ms median="
+              f"{1e3 * statistics.median(outside):.3f} max={1e3 * max(outside):.3f} daemon_ms "
+              f"median={1e3 * statistics.median(daemon_s):.3f} wall/daemon="
+              f"{statistics.median(wall) / statistics.median(daemon_s):.4f} "
+              f"outputs_bit_identical={same}")
+    attend.regions.forget_all()
+    assert same, "the unary call's output differs from the stream's"
+
+
 def test_freed_and_reallocated_tensors_are_never_read_stale(cuda_client):
     before = cuda_client.status().tenant.regions
     attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
