@@ -160,6 +160,7 @@ absl::Status LayerCallState::OnHeader(const v1::LayerHeader& header) {
       !s.ok()) {
     return s;
   }
+  if (absl::Status s = BindDoneEvent(header, *request, job.get()); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(mu_);
   job_ = std::move(job);
   return absl::OkStatus();
@@ -310,6 +311,41 @@ absl::Status LayerCallState::BindWaitEvent(const v1::LayerHeader& header, LayerJ
   return absl::OkStatus();
 }
 
+// header.cuda_done_event: recorded after the attention's last kernel, the answer sent before the
+// kernels finish (Engine::RunLocked). Only where nothing is staged through host memory after the
+// attention (every tensor in a CUDA IPC region) and nothing is registered after it (no keep_kv).
+absl::Status LayerCallState::BindDoneEvent(const v1::LayerHeader& header, const LayerRequest& request,
+                                           LayerJob* job) {
+  constexpr size_t kIpcEventHandleBytes = 64;  // sizeof(cudaIpcEventHandle_t)
+  const std::string& event = header.cuda_done_event();
+  if (event.empty()) return absl::OkStatus();
+  if (event.size() != kIpcEventHandleBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("header.cuda_done_event: ", event.size(),
+                                                   " bytes, expected the 64 of a cudaIpcEventHandle_t"));
+  }
+  if (mode_ == LayerMode::kProject || job->keep_kv) {
+    return absl::InvalidArgumentError(absl::StrCat("header.cuda_done_event: ", method_,
+                                                   " answers after its work (Project, keep_kv); only "
+                                                   "AttentionLayer and Attend without keep_kv take it"));
+  }
+  const TensorResidency& r = request.resident;
+  const bool rope = request.rope.layout != RopeLayout::kNone;
+  const bool inputs_on_device = projected_ ? (r.q && r.k && r.v) : r.x;
+  if (!inputs_on_device || (rope && !r.positions) || !r.out) {
+    return absl::InvalidArgumentError(
+        "header.cuda_done_event: every tensor of the call (inputs, positions, output) must be in a CUDA IPC "
+        "region");
+  }
+  Backend& backend = service_->engine().backend();
+  if (!backend.TakesIpcEvents()) {
+    return absl::FailedPreconditionError(absl::StrCat("header.cuda_done_event: CUDA IPC events need the CUDA "
+                                                      "backend; this daemon serves on the ", backend.name(),
+                                                      " backend"));
+  }
+  job->done_event = event;
+  return absl::OkStatus();
+}
+
 // Whether `region_id` names one of this tenant's CUDA IPC regions (device memory, used in place).
 // An unknown id is answered later, where the tensor is bound, with the field named.
 bool LayerCallState::InDeviceRegion(const std::string& region_id) const {
@@ -438,10 +474,13 @@ absl::Status LayerCallState::Complete(absl::Status status, v1::LayerResult* resu
     (void)service_->engine().registry().ReleaseKv(tenant_, job_->kv_handle);
   }
   // Handles and regions are let go before the client hears back, so a release it sends next frees
-  // their memory at once.
-  job_->weights.reset();
-  job_->kv_in.reset();
-  job_->regions.clear();
+  // their memory at once; except when the answer comes before the kernels finish
+  // (header.cuda_done_event): the job holds them until then, and drops them when Run returns.
+  if (!job_->replied) {
+    job_->weights.reset();
+    job_->kv_in.reset();
+    job_->regions.clear();
+  }
   if (!status.ok()) return status;
   if (job_->estimate.present) {  // the run's own estimate replaces the one the plan was given
     for (size_t i = 0; i < job_->plan.ranges.size(); ++i) {

@@ -92,6 +92,7 @@ class LayerCallState {
   absl::Status BindOutput(const v1::LayerHeader& header, uint64_t out_size, LayerJob* job);
   absl::Status MatchKv(const KvEntry& kv, const LayerRequest& request, const WeightsEntry& w) const;
   absl::Status BindWaitEvent(const v1::LayerHeader& header, LayerJob* job);
+  absl::Status BindDoneEvent(const v1::LayerHeader& header, const LayerRequest& request, LayerJob* job);
   bool InDeviceRegion(const std::string& region_id) const;
   bool InDeviceRegion(const v1::TensorRef& ref) const;
   absl::Status Bind(const v1::TensorRef& ref, Input* input, LayerJob* job, bool required);

@@ -205,6 +205,7 @@ grpc::ServerUnaryReactor* KvpackService::Status(grpc::CallbackServerContext* con
     response->set_inline_bytes_received(inline_received_.load());
     response->set_inline_bytes_sent(inline_sent_.load());
     response->set_cuda_wait_event(e.backend().TakesIpcEvents());
+    response->set_cuda_done_event(e.backend().TakesIpcEvents());
     const KernelInfo kernel = e.backend().Kernel();
     response->set_compute_capability(kernel.compute_capability);
     response->set_attention_kernel(kernel.attention_kernel);

@@ -331,7 +331,7 @@ class Client:
     def attention_projected(self, q, k, v, *, n_heads, head_dim, ranges, layout="token_major",
                             row_stride=0, batch=0, n_tokens=None, options=LayerOptions(),
                             keep_kv=False, priority=0, output=None, timeout=None,
-                            cuda_wait_event=None):
+                            cuda_wait_event=None, cuda_done_event=None):
         """Attention over q, k, v already projected (and normed / roped: options.rope and
         qk_norm must be unset), no weights. layout "token_major": element (t, h, c) at
         t·row_stride + h·d + c (arrays: any shape [..., H·d] or [..., H, d], sent compact);
@@ -340,11 +340,16 @@ class Client:
         layout's row_stride / batch, are needed). cuda_wait_event: the 64-byte IPC handle of an
         event the caller recorded after writing tensors in CUDA IPC regions; the daemon waits for
         it instead of the caller synchronising (only where Status.cuda_wait_event is true).
+        cuda_done_event: the 64-byte IPC handle of an event of the caller's that the daemon
+        records after its last kernel and answers before that kernel finishes; the caller's
+        stream must wait for it before reading the output (only where Status.cuda_done_event).
         Returns LayerOutput(output [N, H·d], result)."""
         header, inline, n_tokens = self._projected_header(
             q, k, v, n_heads=n_heads, head_dim=head_dim, ranges=ranges, layout=layout,
             row_stride=row_stride, batch=batch, n_tokens=n_tokens, options=options,
             keep_kv=keep_kv, priority=priority, cuda_wait_event=cuda_wait_event)
+        if cuda_done_event is not None:
+            header.cuda_done_event = bytes(cuda_done_event)
         return self._stream_layer("AttentionLayer", header, inline, n_tokens, output, timeout)
 
     def _projected_header(self, q, k, v, *, n_heads, head_dim, ranges, layout, row_stride,

@@ -210,6 +210,28 @@ TEST_F(LayerRegionsCallTest, InlineTensorsAndMalformedHeadersNameTheField) {
   ExpectError("AttentionLayerRegions", with([](v1::LayerHeader* h) { h->set_cuda_wait_event(std::string(64, 'e')); }),
               absl::StatusCode::kFailedPrecondition, "header.cuda_wait_event");
 
+  // header.cuda_done_event: checked on every backend; taken by the CUDA backend only.
+  ExpectError("AttentionLayerRegions", with([](v1::LayerHeader* h) { h->set_cuda_done_event("abc"); }),
+              absl::StatusCode::kInvalidArgument, "header.cuda_done_event: 3 bytes");
+  ExpectError("AttentionLayerRegions", with([](v1::LayerHeader* h) {
+                h->set_cuda_done_event(std::string(64, 'd'));
+                h->set_keep_kv(true);
+              }),
+              absl::StatusCode::kInvalidArgument, "header.cuda_done_event: AttentionLayerRegions answers after");
+  ExpectError("AttentionLayerRegions", with([](v1::LayerHeader* h) { h->set_cuda_done_event(std::string(64, 'd')); }),
+              absl::StatusCode::kInvalidArgument, "header.cuda_done_event: every tensor of the call");
+  {
+    std::vector<uint16_t> out;
+    v1::LayerHeader h = base_;
+    h.set_cuda_done_event(std::string(64, 'd'));
+    absl::StatusOr<v1::LayerResult> r = c_->AttentionLayer(h, DataOf(L_, &out));  // the stream checks it too
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_NE(r.status().message().find("header.cuda_done_event"), std::string::npos) << r.status();
+    absl::StatusOr<v1::StatusResponse> s = c_->Status();
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_FALSE(s->cuda_done_event());
+  }
+
   // Nothing held, and the daemon still serves.
   EXPECT_TRUE(Idle());
   EXPECT_TRUE(Unary(*c_, "AttentionLayerRegions", layer_.Header(base_, 0)).ok());
