@@ -201,6 +201,10 @@ run_daemon() {
       "$t/test_cuda_segments.py" "$t/test_comfy_model.py" >>"$LOGS/pytest.log" 2>&1
     say "pytest (kvpack.torch: CUDA IPC, segments, compile, ComfyUI) exit $?: $(tail -1 "$LOGS/pytest.log")"
     grep -h '^FIGURE' "$LOGS/pytest.log" | tee -a "$SUMMARY"
+    # Where a region-only call's time goes outside the attention, streamed vs unary (issue 17);
+    # shared-memory regions, so the daemon stages them: compare the two methods, not the totals.
+    PYTHONPATH=/tmp/site:$ROOT/client/python timeout 300 python3 "$ROOT/bench/frontend_overhead.py" \
+      --backend=cuda --tokens=4096 --heads=12 --head_dim=128 2>>"$LOGS/frontend_overhead.err" | tee -a "$SUMMARY"
   fi
   [[ -n "${OOM12:-}" ]] && run_oom12 "$B"
   return 0

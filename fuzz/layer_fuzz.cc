@@ -1,7 +1,8 @@
 // Fuzz target: one whole AttentionLayer call through the real service (gRPC reactor, conversion,
 // limits, planner, scheduler, executor, CPU backend) on an in-process channel.
 //
-// Input: one flags byte, then a v1::LayerHeader (wire bytes, or 't' + text format: ParseInput).
+// Input: one flags byte (Flags below; kUnary sends the header over AttentionLayerRegions), then a
+// v1::LayerHeader (wire bytes, or 't' + text format: ParseInput).
 // The harness registers weights that match the header's shape (flags: bias, QK-norm weights of d
 // or H·d, whether the header names them), streams every inline tensor the header declares (seeded
 // bf16/f32 data, never zeros), reads the result and the output, releases what the call kept, and
@@ -43,6 +44,7 @@ enum Flags : uint8_t {
   kNormShared = 2,     // q/k norm weights of d values
   kNormPerHead = 4,    // q/k norm weights of H·d values (wins over kNormShared)
   kUseWeights = 8,     // put the registered handle into header.weights_handle
+  kUnary = 16,         // send the header over the unary AttentionLayerRegions instead of the stream
 };
 
 [[noreturn]] void Fail(const std::string& what) {
@@ -87,7 +89,7 @@ class Harness {
     std::string weights;
     if (!header.has_projected()) weights = RegisterWeights(header.shape(), flags, seed);
     if (flags & kUseWeights) header.set_weights_handle(weights);
-    const std::string kept = Call(header, seed);
+    const std::string kept = (flags & kUnary) ? CallUnary(header) : Call(header, seed);
     if (!kept.empty()) Release(kept, /*weights=*/false);
     if (!weights.empty()) Release(weights, /*weights=*/true);
     CheckPoolEmpty();
@@ -224,6 +226,27 @@ class Harness {
       }
       if (result.peak_bytes() != result.plan().predicted_peak_bytes()) {
         Fail("AttentionLayer: peak " + std::to_string(result.peak_bytes()) + " != predicted " +
+             std::to_string(result.plan().predicted_peak_bytes()));
+      }
+    }
+    return status.ok() ? result.kv_handle() : "";
+  }
+
+  // The same header over AttentionLayerRegions (inline tensors and outputs are refused there; the
+  // harness registers no regions, so an OK call has neither); returns the kept K/V handle, if any.
+  std::string CallUnary(const v1::LayerHeader& header) {
+    std::unique_ptr<grpc::ClientContext> context = Context();
+    v1::LayerResult result;
+    const grpc::Status status = stub_->AttentionLayerRegions(context.get(), header, &result);
+    if (verbose_) {
+      std::fprintf(stderr, "layer_fuzz: AttentionLayerRegions %d %s\n", status.error_code(),
+                   status.error_message().c_str());
+    }
+    CheckCode(status, "AttentionLayerRegions");
+    if (status.ok()) {
+      if (result.output_bytes() != 0) Fail("AttentionLayerRegions: an inline output");
+      if (result.peak_bytes() != result.plan().predicted_peak_bytes()) {
+        Fail("AttentionLayerRegions: peak " + std::to_string(result.peak_bytes()) + " != predicted " +
              std::to_string(result.plan().predicted_peak_bytes()));
       }
     }

@@ -75,6 +75,25 @@ class Backend {
   // With config.attention.sparse, the tallies of the routing are added to *sparse_report (when set).
   virtual absl::Status AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
                                    uint8_t* workspace, const ChunkGate& gate, SparseReport* sparse_report) = 0;
+  // AttendLayer, stream-ordered with a caller in another process (LayerHeader.cuda_done_event):
+  // records the event behind `done_event` (the 64 bytes of a cudaIpcEventHandle_t) after the
+  // attention's last kernel, runs `launched` (the caller hears back then), and returns once those
+  // kernels have finished, as AttendLayer does: what the call holds is released after the return,
+  // so never while its kernels run. `launched` does not run when the launches fail.
+  // FAILED_PRECONDITION on backends without CUDA (TakesIpcEvents() false).
+  virtual absl::Status AttendLayerSignalled(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
+                                            uint8_t* workspace, const ChunkGate& gate, const std::string& done_event,
+                                            const std::function<void()>& launched) {
+    (void)config;
+    (void)tensors;
+    (void)kv;
+    (void)workspace;
+    (void)gate;
+    (void)done_event;
+    (void)launched;
+    return absl::FailedPreconditionError("header.cuda_done_event: CUDA IPC events need the CUDA backend; this daemon "
+                                         "serves on the " + name() + " backend");
+  }
   // Whether calls running at once share one device and should take turns chunk by chunk through
   // their gates (server/core/turns.h): true on the CUDA backend (one GPU, whose chunks run one at a
   // time so that a short request need not wait for a whole long layer); false on the CPU backend,

@@ -112,19 +112,19 @@ class IpcEvents {
   static constexpr size_t kMaxEvents = 256;
   using Event = std::shared_ptr<std::remove_pointer_t<cudaEvent_t>>;
 
-  absl::StatusOr<Event> Open(const std::string& handle) {
+  // `field` names the header field in errors.
+  absl::StatusOr<Event> Open(const std::string& handle, const std::string& field = "header.cuda_wait_event") {
     std::lock_guard<std::mutex> lock(mu_);
     if (auto it = events_.find(handle); it != events_.end()) return it->second;
     cudaIpcEventHandle_t h;
     if (handle.size() != sizeof(h)) {
-      return absl::InvalidArgumentError("header.cuda_wait_event: not a cudaIpcEventHandle_t");
+      return absl::InvalidArgumentError(field + ": not a cudaIpcEventHandle_t");
     }
     std::memcpy(&h, handle.data(), sizeof(h));
     cudaEvent_t raw = nullptr;
     if (cudaError_t e = cudaIpcOpenEventHandle(&raw, h); e != cudaSuccess) {
       cudaGetLastError();  // not sticky: a bad handle is the caller's error
-      return absl::InvalidArgumentError(std::string("header.cuda_wait_event: cudaIpcOpenEventHandle: ") +
-                                        cudaGetErrorString(e));
+      return absl::InvalidArgumentError(field + ": cudaIpcOpenEventHandle: " + cudaGetErrorString(e));
     }
     if (events_.size() >= kMaxEvents) events_.clear();
     Event event(raw, [](cudaEvent_t ev) { cudaEventDestroy(ev); });
@@ -249,6 +249,29 @@ class CudaBackend final : public Backend {
         cuda::AttendLayer(config, tensors, view, workspace, Context(stream.get()), AfterIdle(gate, stream.get()),
                           sparse_report),
         stream.get());
+  }
+
+  // The event is recorded on the call's own stream after cuda::AttendLayer's last launch, so it
+  // completes when the output is written; `launched` answers the caller then, while this thread
+  // still waits for the stream (Finish), so the engine releases the call's memory only after it.
+  absl::Status AttendLayerSignalled(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
+                                    uint8_t* workspace, const ChunkGate& gate, const std::string& done_event,
+                                    const std::function<void()>& launched) override {
+    absl::StatusOr<IpcEvents::Event> event = ipc_events_.Open(done_event, "header.cuda_done_event");
+    if (!event.ok()) return event.status();
+    const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
+    const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
+    StreamPool::Borrowed stream = streams_.Borrow();
+    Error error =
+        cuda::AttendLayer(config, tensors, view, workspace, Context(stream.get()), AfterIdle(gate, stream.get()));
+    if (error.ok()) {
+      if (cudaError_t e = cudaEventRecord(event->get(), stream.get()); e != cudaSuccess) {
+        error = Error(ErrorCode::kInternal, std::string("header.cuda_done_event: cudaEventRecord: ") +
+                                                cudaGetErrorString(e));
+      }
+    }
+    if (error.ok()) launched();
+    return Finish(error, stream.get());
   }
 
   bool TakesTurns() const override { return true; }

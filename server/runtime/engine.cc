@@ -327,6 +327,13 @@ void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reserva
   }
   reservation.Release();
   Retire(*job);
+  if (job->replied) {  // answered OK after the launches (done_event); the call may be gone by now
+    if (!status.ok()) {
+      std::fprintf(stderr, "kvpackd: a %s call answered before its kernels finished then failed: %s\n",
+                   job->method.c_str(), std::string(status.message()).c_str());
+    }
+    return;
+  }
   job->done(std::move(status));
 }
 
@@ -478,7 +485,19 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   }
   if (job.mode != LayerMode::kProject) {
     const absl::Time t0 = clock_->Now();
-    absl::Status s = backend_->AttendLayer(config, tensors, kv, ws_lease.data(), gate, &job.sparse_report);
+    absl::Status s;
+    if (job.done_event.empty()) {
+      s = backend_->AttendLayer(config, tensors, kv, ws_lease.data(), gate, &job.sparse_report);
+    } else {
+      // The caller hears back once the last kernel is queued behind its event; this thread still
+      // waits for the kernels before anything below releases the call's memory (backend.h).
+      const auto launched = [&] {
+        job.attend_seconds = absl::ToDoubleSeconds(clock_->Now() - t0);  // the launches, in the result
+        job.replied = true;
+        job.done(absl::OkStatus());
+      };
+      s = backend_->AttendLayerSignalled(config, tensors, kv, ws_lease.data(), gate, job.done_event, launched);
+    }
     if (turns_) turns_->Release(job.turn);
     if (!s.ok()) return s;
     job.attend_seconds = absl::ToDoubleSeconds(clock_->Now() - t0);

@@ -72,6 +72,11 @@ struct LayerJob {
   uint64_t out_bytes = 0;
   std::vector<RegionUse> regions;     // keeps mapped regions alive for the job
   std::string wait_event;             // header.cuda_wait_event: waited for before the layer runs
+  // header.cuda_done_event: recorded after the attention's last kernel; `done` then runs with OK
+  // before those kernels finish (`replied` set first) and is not run again. The job keeps its
+  // memory, weights and regions until Run returns, after the kernels.
+  std::string done_event;
+  bool replied = false;               // written and read on the executor thread only
   InlineBudget::Lease inline_lease;   // the buffers' bytes; declared first, so released after them
   std::unique_ptr<uint8_t[]> x_buf;   // inline inputs and output (host)
   std::unique_ptr<uint8_t[]> positions_buf;

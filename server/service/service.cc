@@ -81,6 +81,21 @@ grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* KvpackService::Att
   return NewLayerCall(this, context, LayerMode::kAttend);
 }
 
+grpc::ServerUnaryReactor* KvpackService::AttentionLayerRegions(grpc::CallbackServerContext* context,
+                                                               const v1::LayerHeader* header, v1::LayerResult* result) {
+  return NewLayerRegionsCall(this, context, LayerMode::kFull, header, result);
+}
+
+grpc::ServerUnaryReactor* KvpackService::ProjectRegions(grpc::CallbackServerContext* context,
+                                                        const v1::LayerHeader* header, v1::LayerResult* result) {
+  return NewLayerRegionsCall(this, context, LayerMode::kProject, header, result);
+}
+
+grpc::ServerUnaryReactor* KvpackService::AttendRegions(grpc::CallbackServerContext* context,
+                                                       const v1::LayerHeader* header, v1::LayerResult* result) {
+  return NewLayerRegionsCall(this, context, LayerMode::kAttend, header, result);
+}
+
 grpc::ServerUnaryReactor* KvpackService::ReleaseWeights(grpc::CallbackServerContext* context,
                                                         const v1::ReleaseRequest* request, v1::ReleaseResponse*) {
   absl::StatusOr<std::string> tenant = Admit(*context);
@@ -190,6 +205,7 @@ grpc::ServerUnaryReactor* KvpackService::Status(grpc::CallbackServerContext* con
     response->set_inline_bytes_received(inline_received_.load());
     response->set_inline_bytes_sent(inline_sent_.load());
     response->set_cuda_wait_event(e.backend().TakesIpcEvents());
+    response->set_cuda_done_event(e.backend().TakesIpcEvents());
     const KernelInfo kernel = e.backend().Kernel();
     response->set_compute_capability(kernel.compute_capability);
     response->set_attention_kernel(kernel.attention_kernel);

@@ -66,6 +66,12 @@ class KvpackService final : public v1::Kvpack::CallbackService {
       grpc::CallbackServerContext* context) override;
   grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* Project(grpc::CallbackServerContext* context) override;
   grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* Attend(grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* AttentionLayerRegions(grpc::CallbackServerContext* context, const v1::LayerHeader* header,
+                                                  v1::LayerResult* result) override;
+  grpc::ServerUnaryReactor* ProjectRegions(grpc::CallbackServerContext* context, const v1::LayerHeader* header,
+                                           v1::LayerResult* result) override;
+  grpc::ServerUnaryReactor* AttendRegions(grpc::CallbackServerContext* context, const v1::LayerHeader* header,
+                                          v1::LayerResult* result) override;
   grpc::ServerUnaryReactor* ReleaseKv(grpc::CallbackServerContext* context, const v1::ReleaseRequest* request,
                                       v1::ReleaseResponse* response) override;
   grpc::ServerUnaryReactor* Plan(grpc::CallbackServerContext* context, const v1::PlanRequest* request,
@@ -108,10 +114,13 @@ class KvpackService final : public v1::Kvpack::CallbackService {
   std::atomic<uint64_t> inline_sent_{0};
 };
 
-// Reactors of the streaming calls (layer_call.cc, weights_call.cc).
+// Reactors of the streaming calls (layer_call.cc, weights_call.cc) and of the unary layer calls
+// over regions (layer_regions_call.cc).
 grpc::ServerBidiReactor<v1::LayerRequest, v1::LayerResponse>* NewLayerCall(KvpackService* service,
                                                                           grpc::CallbackServerContext* context,
                                                                           LayerMode mode);
+grpc::ServerUnaryReactor* NewLayerRegionsCall(KvpackService* service, grpc::CallbackServerContext* context,
+                                              LayerMode mode, const v1::LayerHeader* header, v1::LayerResult* result);
 grpc::ServerReadReactor<v1::WeightsRequest>* NewWeightsCall(KvpackService* service,
                                                            grpc::CallbackServerContext* context,
                                                            v1::WeightsResponse* response);

@@ -30,6 +30,7 @@ from kvpack.v1 import kvpack_pb2_grpc as pb_grpc  # noqa: E402
 
 DEFAULT_TARGET = "unix:///run/kvpackd/kvpackd.sock"
 DEFAULT_TIMEOUT_S = 120.0   # a 152k-token layer takes seconds; a queue of them longer
+_MAX_TEMPLATES = 64      # distinct call shapes whose headers are kept (cleared when full)
 _FORMAT = {"int4": pb.FORMAT_INT4, "int8": pb.FORMAT_INT8, "bf16": pb.FORMAT_BF16}
 _FORMAT_NAME = {v: k for k, v in _FORMAT.items()}
 _ROPE = {"interleaved": pb.RopeOptions.LAYOUT_INTERLEAVED,
@@ -59,6 +60,11 @@ class Client:
         self.target = target
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
+        # Layer calls with every tensor in a region go over the unary *Regions methods (one
+        # message each way); False after a daemon answered UNIMPLEMENTED (older than them).
+        self.unary_layers = True
+        self._templates = {}        # headers of region-only projected calls, by call shape
+        self.last_layer_method = None   # the RPC of the last layer call ("AttentionLayerRegions")
         self._metadata = []
         if token:
             self._metadata.append(("authorization", f"Bearer {token}"))
@@ -228,19 +234,38 @@ class Client:
         return self._stream_layer(method, header, inline, n_tokens, output, timeout)
 
     def _stream_layer(self, method, header, inline, n_tokens, output, timeout):
-        """Sets the output of `header`, streams it and the inline tensors, collects the result."""
+        """Sets the output of `header` and runs the call: over the unary <method>Regions when no
+        tensor travels inline (every input and the output in regions), else streams the header
+        and the inline tensors and collects the result and the inline output."""
+        self._set_output(method, header, output)
+        if not inline and self.unary_layers and \
+                (method == "Project" or header.output.mode != pb.OUTPUT_INLINE):
+            try:
+                result = self._unary(method + "Regions", header, timeout)
+                self.last_layer_method = method + "Regions"
+                return LayerOutput(None, result)
+            except KvpackError as e:
+                # gRPC answers a method the server lacks UNIMPLEMENTED with no message; the
+                # daemon's own UNIMPLEMENTED (sparse attention on CUDA) names the field.
+                if e.code != grpc.StatusCode.UNIMPLEMENTED or e.details:
+                    raise
+                self.unary_layers = False   # a daemon from before the unary calls: stream
+        self.last_layer_method = method
+        return self._streamed(method, header, inline, n_tokens, timeout)
+
+    @staticmethod
+    def _set_output(method, header, output):
         if method == "Project":
             header.output.mode = pb.OUTPUT_NONE
         elif isinstance(output, RegionSlice):
             header.output.mode = pb.OUTPUT_REGION
-            header.output.region.CopyFrom(pb.RegionSlice(region_id=output.region_id,
-                                                         offset=output.offset,
-                                                         size_bytes=output.size_bytes))
+            _set_slice(header.output.region, output)
         elif output == "in_place":
             header.output.mode = pb.OUTPUT_IN_PLACE
         elif output not in (None, "inline"):
             raise ValueError("output must be None, 'inline', 'in_place' or a RegionSlice")
 
+    def _streamed(self, method, header, inline, n_tokens, timeout):
         def requests():
             yield pb.LayerRequest(header=header)
             for tensor_id, array in inline:
@@ -306,7 +331,7 @@ class Client:
     def attention_projected(self, q, k, v, *, n_heads, head_dim, ranges, layout="token_major",
                             row_stride=0, batch=0, n_tokens=None, options=LayerOptions(),
                             keep_kv=False, priority=0, output=None, timeout=None,
-                            cuda_wait_event=None):
+                            cuda_wait_event=None, cuda_done_event=None):
         """Attention over q, k, v already projected (and normed / roped: options.rope and
         qk_norm must be unset), no weights. layout "token_major": element (t, h, c) at
         t·row_stride + h·d + c (arrays: any shape [..., H·d] or [..., H, d], sent compact);
@@ -315,10 +340,53 @@ class Client:
         layout's row_stride / batch, are needed). cuda_wait_event: the 64-byte IPC handle of an
         event the caller recorded after writing tensors in CUDA IPC regions; the daemon waits for
         it instead of the caller synchronising (only where Status.cuda_wait_event is true).
+        cuda_done_event: the 64-byte IPC handle of an event of the caller's that the daemon
+        records after its last kernel and answers before that kernel finishes; the caller's
+        stream must wait for it before reading the output (only where Status.cuda_done_event).
         Returns LayerOutput(output [N, H·d], result)."""
+        header, inline, n_tokens = self._projected_header(
+            q, k, v, n_heads=n_heads, head_dim=head_dim, ranges=ranges, layout=layout,
+            row_stride=row_stride, batch=batch, n_tokens=n_tokens, options=options,
+            keep_kv=keep_kv, priority=priority, cuda_wait_event=cuda_wait_event)
+        if cuda_done_event is not None:
+            header.cuda_done_event = bytes(cuda_done_event)
+        return self._stream_layer("AttentionLayer", header, inline, n_tokens, output, timeout)
+
+    def _projected_header(self, q, k, v, *, n_heads, head_dim, ranges, layout, row_stride,
+                          batch, n_tokens, options, keep_kv, priority, cuda_wait_event):
+        """attention_projected's header, inline tensors and token count."""
+        if n_tokens is not None and all(isinstance(t, RegionSlice) for t in (q, k, v)):
+            # The region path (kvpack.torch over CUDA IPC) runs once per attention call with the
+            # same shape, ranges and options: the header is built once and copied.
+            key = (n_heads, head_dim, tuple(ranges), layout, row_stride, batch, n_tokens,
+                   options, keep_kv, priority)
+            try:
+                template = self._templates.get(key)
+            except TypeError:       # unhashable arguments (a list of formats): no template
+                key, template = None, None
+            if template is None:
+                template, _, _ = self._projected_header(
+                    None, None, None, n_heads=n_heads, head_dim=head_dim, ranges=ranges,
+                    layout=layout, row_stride=row_stride, batch=batch, n_tokens=n_tokens,
+                    options=options, keep_kv=keep_kv, priority=priority, cuda_wait_event=None)
+                if key is not None:
+                    if len(self._templates) >= _MAX_TEMPLATES:
+                        self._templates.clear()
+                    self._templates[key] = template
+            header = pb.LayerHeader()
+            header.CopyFrom(template)
+            p = header.projected
+            for ref, t in ((p.q, q), (p.k, k), (p.v, v)):
+                _set_slice(ref.region, t)
+            if cuda_wait_event is not None:
+                header.cuda_wait_event = bytes(cuda_wait_event)
+            return header, [], n_tokens
         hd = n_heads * head_dim
         refs, inline = [], []
         for name, t, tid in (("q", q, pb.TENSOR_Q), ("k", k, pb.TENSOR_K), ("v", v, pb.TENSOR_V)):
+            if t is None:           # a template: the caller fills the references
+                refs.append(None)
+                continue
             if isinstance(t, RegionSlice):
                 if n_tokens is None:
                     raise ValueError(f"{name} in a region needs n_tokens")
@@ -344,12 +412,12 @@ class Client:
                     else pb.ProjectedQkv.LAYOUT_TOKEN_MAJOR)
         p.row_stride = row_stride if layout != "head_major" else 0
         p.batch = batch if layout == "head_major" else 0
-        p.q.CopyFrom(refs[0])
-        p.k.CopyFrom(refs[1])
-        p.v.CopyFrom(refs[2])
+        for ref, r in ((p.q, refs[0]), (p.k, refs[1]), (p.v, refs[2])):
+            if r is not None:
+                ref.CopyFrom(r)
         if cuda_wait_event is not None:
             header.cuda_wait_event = bytes(cuda_wait_event)
-        return self._stream_layer("AttentionLayer", header, inline, n_tokens, output, timeout)
+        return header, inline, n_tokens
 
     def release_kv(self, kv_handle, timeout=None):
         self._unary("ReleaseKv", pb.ReleaseRequest(handle=kv_handle), timeout)
@@ -400,6 +468,12 @@ class Client:
     def keep_alive(self, ids, timeout=None):
         """Renews the leases of handles and regions; returns how many were found."""
         return self._unary("KeepAlive", pb.KeepAliveRequest(ids=list(ids)), timeout).renewed
+
+
+def _set_slice(slice_pb, region_slice):
+    slice_pb.region_id = region_slice.region_id
+    slice_pb.offset = region_slice.offset
+    slice_pb.size_bytes = region_slice.size_bytes
 
 
 def _handle(weights):

@@ -58,6 +58,7 @@ class CudaDriver:
         self._lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         self._check(self._lib.cuInit(0), "cuInit")
         self._attrs = (ctypes.c_int * len(_ATTRS))(*_ATTRS)
+        self._buffers = threading.local()   # per thread: the attribute slots, made once
 
     @staticmethod
     def _check(result, what):
@@ -67,9 +68,15 @@ class CudaDriver:
     def segment(self, ptr):
         # Every attribute into a zeroed 8-byte slot: the narrower ones (int, bool) land in its low
         # bytes (little-endian), and an address that is not (or no longer) device memory reads 0.
-        values = (ctypes.c_uint64 * len(_ATTRS))()
-        slots = (ctypes.c_void_p * len(_ATTRS))(
-            *[ctypes.addressof(values) + 8 * i for i in range(len(_ATTRS))])
+        # Four calls per attention call: the slots are made once per thread and zeroed here.
+        buffers = getattr(self._buffers, "slots", None)
+        if buffers is None:
+            values = (ctypes.c_uint64 * len(_ATTRS))()
+            slots = (ctypes.c_void_p * len(_ATTRS))(
+                *[ctypes.addressof(values) + 8 * i for i in range(len(_ATTRS))])
+            buffers = self._buffers.slots = (values, slots)
+        values, slots = buffers
+        ctypes.memset(values, 0, ctypes.sizeof(values))
         self._check(self._lib.cuPointerGetAttributes(len(_ATTRS), self._attrs, slots, ptr),
                     "cuPointerGetAttributes")
         context, buffer_id, device, ipc, base, size = values

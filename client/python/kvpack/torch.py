@@ -286,6 +286,7 @@ class CudaIpcRegions:
         self._segments = None               # SegmentRegions, made on first use
         self._daemon = None                 # (uuid, ordinal), or () when it serves no GPU
         self.daemon_waits_on_events = False     # Status.cuda_wait_event
+        self.daemon_signals_events = False      # Status.cuda_done_event
         self._reaches = {}                      # device index -> on the daemon's GPU
 
     def daemon_device(self):
@@ -293,6 +294,7 @@ class CudaIpcRegions:
             st = self.client.status()
             # getattr: stubs generated from an older kvpack.proto lack the field
             self.daemon_waits_on_events = getattr(st, "cuda_wait_event", False)
+            self.daemon_signals_events = getattr(st, "cuda_done_event", False)
             self._daemon = (_uuid_text(st.device_uuid), st.device_ordinal) if st.device_uuid else ()
         return self._daemon
 
@@ -374,8 +376,11 @@ class ProjectedAttention:
         self.last_registrations = 0     # RegisterRegion calls the last call made
         self.last_wall_s = 0.0          # the last call's time here, daemon included
         self.use_events = True          # stream order by CUDA IPC events where the daemon can
+        self.use_done_events = True     # the daemon answers before its kernels finish, where it can
+        self.last_stream_ordered = False    # the last call's answer came before the kernels ended
         self._events = threading.local()    # per thread: {device index: interprocess event}
         self._op_id = torch_ops.register(self)
+        self._ranges = {}               # (B, N) -> the packed ranges of the call
 
     def __call__(self, q, k, v):
         if torch_ops.compiling():     # one opaque op in the graph (kvpack::projected_attention)
@@ -401,7 +406,11 @@ class ProjectedAttention:
 
     def _attend(self, q, k, v):
         b, n, h, d = q.shape
-        ranges = pack_batch([Range(0, n, 0, self.formats)], b, n)
+        ranges = self._ranges.get((b, n))
+        if ranges is None:          # one entry per sequence shape the model uses
+            if len(self._ranges) >= 64:
+                self._ranges.clear()
+            ranges = self._ranges[(b, n)] = pack_batch([Range(0, n, 0, self.formats)], b, n)
         if self.regions is not None and all(self.regions.reaches(t) for t in (q, k, v)):
             try:
                 return self._by_ipc(q, k, v, ranges)
@@ -439,25 +448,57 @@ class ProjectedAttention:
         kwargs = dict(n_heads=h, head_dim=d, ranges=ranges, layout=layout, row_stride=row_stride,
                       batch=batch, n_tokens=n_tokens, options=self.options,
                       priority=self.priority, output=out_slice, timeout=self.timeout)
-        event = self._caller_event(q.device)
+        stream = torch.cuda.current_stream(q.device)
+        event = self._caller_event(q.device, stream)
         if event is None:
-            torch.cuda.current_stream(q.device).synchronize()  # q, k, v written before it reads
-        try:
-            res = self.client.attention_projected(*slices, cuda_wait_event=event, **kwargs)
-        except KvpackError as e:
-            if event is None or e.code != grpc.StatusCode.INVALID_ARGUMENT or \
-                    "cuda_wait_event" not in e.details:
-                raise
-            log.warning("kvpack: the daemon cannot wait for this process's events (%s); "
-                        "synchronising instead", e.details)
-            self.use_events = False
-            torch.cuda.current_stream(q.device).synchronize()
-            res = self.client.attention_projected(*slices, **kwargs)
+            stream.synchronize()        # q, k, v written before it reads
+        done = self._done_event(q.device, stream)
+        while True:
+            try:
+                res = self.client.attention_projected(
+                    *slices, cuda_wait_event=event, cuda_done_event=done and done[1], **kwargs)
+                break
+            except KvpackError as e:
+                refused = e.code in (grpc.StatusCode.INVALID_ARGUMENT,
+                                     grpc.StatusCode.FAILED_PRECONDITION)
+                if done is not None and refused and "cuda_done_event" in e.details:
+                    log.warning("kvpack: the daemon cannot signal this process's events (%s); "
+                                "it answers after its kernels instead", e.details)
+                    self.use_done_events, done = False, None
+                elif event is not None and refused and "cuda_wait_event" in e.details:
+                    log.warning("kvpack: the daemon cannot wait for this process's events (%s); "
+                                "synchronising instead", e.details)
+                    self.use_events, event = False, None
+                    stream.synchronize()
+                else:
+                    raise
         self.last_result, self.last_transport = res.result, "cuda_ipc"
-        # kvpackd synchronised its stream before answering: `out` holds the result.
+        self.last_stream_ordered = done is not None
+        if done is not None:
+            # kvpackd answered once its last kernel was queued behind `done`: what follows on this
+            # stream (reading `out`, reusing q, k, v's memory) waits for it on the GPU, not here.
+            stream.wait_event(done[0])
+        # Otherwise kvpackd synchronised its stream before answering: `out` holds the result.
         return out.view(b, n, h, d).to(q.dtype)
 
-    def _caller_event(self, device):
+    def _done_event(self, device, stream):
+        """(event, IPC handle) of an event of this thread's for the daemon to record after its last
+        kernel (header.cuda_done_event), or None where the daemon cannot (then it answers after
+        its kernels). One per thread and device: a thread's calls are sequential and each call's
+        wait is queued on the stream before the next call's record."""
+        if not (self.use_done_events and self.regions.daemon_signals_events):
+            return None
+        events = getattr(self._events, "done_by_device", None)
+        if events is None:
+            events = self._events.done_by_device = {}
+        entry = events.get(device.index)
+        if entry is None:
+            event = torch.cuda.Event(interprocess=True)     # timing off, as IPC requires
+            event.record(stream)                             # creates it on this device
+            entry = events[device.index] = (event, bytes(event.ipc_handle()))
+        return entry
+
+    def _caller_event(self, device, stream):
         """The IPC handle of an event recorded now on the current stream — after the work that
         writes q, k, v and allocates the output — for the daemon to wait for (header.
         cuda_wait_event), or None where the daemon cannot (then the caller synchronises). One
@@ -472,7 +513,7 @@ class ProjectedAttention:
         if entry is None:
             entry = [torch.cuda.Event(interprocess=True), None]   # timing off, as IPC requires
             events[device.index] = entry
-        entry[0].record(torch.cuda.current_stream(device))
+        entry[0].record(stream)
         if entry[1] is None:
             entry[1] = bytes(entry[0].ipc_handle())       # exists once the event was recorded
         return entry[1]

@@ -30,6 +30,8 @@ class FakeKvpack(pb_grpc.KvpackServicer):
         self.weights, self.kv, self.regions = {}, {}, {}
         self.tenants = []
         self.delay_s = 0.0
+        self.unary_regions = True
+        self.unary_calls = []       # *Regions methods called, in order
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -165,6 +167,32 @@ class FakeKvpack(pb_grpc.KvpackServicer):
 
     def Attend(self, request_iterator, context):
         yield from self._layer(request_iterator, context, "Attend")
+
+    def _regions(self, header, context, method):
+        """The unary *Regions form: the stream's work on a header alone; inline tensors and an
+        inline output refused naming the field, as kvpackd does. `unary_regions = False` answers
+        as a daemon from before these methods (UNIMPLEMENTED with no message)."""
+        if not self.unary_regions:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "")
+        self.unary_calls.append(method + "Regions")
+        for name in ("x", "positions"):
+            if getattr(header, name).WhichOneof("location") == "inline_bytes":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"header.{name}.inline_bytes: {method}Regions takes tensors in "
+                              "regions only")
+        if method != "Project" and header.output.mode == pb.OUTPUT_INLINE:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"header.output.mode: {method}Regions writes into a region")
+        return next(self._layer(iter([pb.LayerRequest(header=header)]), context, method)).result
+
+    def AttentionLayerRegions(self, request, context):
+        return self._regions(request, context, "AttentionLayer")
+
+    def ProjectRegions(self, request, context):
+        return self._regions(request, context, "Project")
+
+    def AttendRegions(self, request, context):
+        return self._regions(request, context, "Attend")
 
     def ReleaseKv(self, request, context):
         self._admit(context)

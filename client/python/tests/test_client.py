@@ -142,6 +142,43 @@ def test_shared_memory_region_in_and_out(client):
         shm.unlink()
 
 
+@pytest.mark.parametrize("unary", [True, False], ids=["unary", "daemon-without-unary"])
+def test_calls_with_every_tensor_in_a_region_go_unary(client, daemon, unary):
+    daemon.service.unary_regions = unary
+    x, w, _ = layer_inputs(n=23)
+    out_bytes = 23 * H * D_HEAD * 2
+    shm = shared_memory.SharedMemory(create=True, size=x.nbytes + 64 + out_bytes)
+    try:
+        shm.buf[64:64 + x.nbytes] = x.tobytes()
+        region = client.register_shm("/" + shm.name, shm.size)
+        weights = client.register_weights(w, n_heads=H, head_dim=D_HEAD)
+        x_ref = RegionSlice(region, 64, x.nbytes)
+        kw = dict(n_heads=H, head_dim=D_HEAD, ranges=[Range(0, 23)], n_tokens=23, hidden=HIDDEN)
+        # Inline x: the stream, whatever the daemon has.
+        inline = client.attention_layer(x, weights, n_heads=H, head_dim=D_HEAD,
+                                        ranges=[Range(0, 23)])
+        assert daemon.service.unary_calls == [] and client.unary_layers
+        kv = client.project(x_ref, weights, **kw)
+        res = client.attend(x_ref, weights, kv.result.kv_handle,
+                            output=RegionSlice(region, 64 + x.nbytes, out_bytes), **kw)
+        assert res.output is None
+        got = np.frombuffer(bytes(shm.buf[64 + x.nbytes:]), dtype=np.uint16).reshape(23, -1)
+        np.testing.assert_array_equal(got, inline.output)
+        # x in a region but the output inline: the stream.
+        again = client.attention_layer(x_ref, weights, **kw)
+        np.testing.assert_array_equal(again.output, inline.output)
+        assert client.last_layer_method == "AttentionLayer"
+        if unary:
+            assert daemon.service.unary_calls == ["ProjectRegions", "AttendRegions"]
+            assert client.unary_layers
+        else:   # asked once, then remembered
+            assert daemon.service.unary_calls == [] and not client.unary_layers
+        client.unregister_region(region)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
 def test_errors_carry_code_and_message(client, daemon):
     x, w, _ = layer_inputs(n=11)
     with pytest.raises(kvpack.NotFound) as e:
@@ -210,3 +247,20 @@ def test_from_env(monkeypatch, tmp_path):
         with kvpack.Client.from_env(timeout=5) as c:
             with pytest.raises(kvpack.Unauthenticated):
                 c.status()
+
+
+def test_region_headers_come_from_a_template_equal_to_a_fresh_build(client):
+    kw = dict(n_heads=H, head_dim=D_HEAD, layout="token_major", row_stride=3 * H * D_HEAD,
+              batch=0, n_tokens=41, options=LayerOptions(causal=True), keep_kv=False, priority=3)
+    span = 2 * (40 * 3 * H * D_HEAD + H * D_HEAD)
+    for call, base in enumerate((0, 4096)):
+        slices = [RegionSlice("r-1", base + i * 2 * H * D_HEAD, span) for i in range(3)]
+        event = bytes(range(64)) if call else None
+        got, inline, n = client._projected_header(
+            *slices, ranges=[Range(0, 41, 0, ("int8", "int4"))], cuda_wait_event=event, **kw)
+        # A list of formats cannot key the cache: the header is built from scratch.
+        want, _, _ = client._projected_header(
+            *slices, ranges=[Range(0, 41, 0, ["int8", "int4"])], cuda_wait_event=event, **kw)
+        assert inline == [] and n == 41
+        assert got == want and got.projected.k.region.offset == base + 2 * H * D_HEAD
+    assert len(client._templates) == 1

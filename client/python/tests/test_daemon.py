@@ -107,6 +107,46 @@ def test_project_attend_and_shared_memory(client, layer):
         shm.unlink()
 
 
+def test_region_only_calls_go_unary_with_the_streams_bytes(client, daemon, layer):
+    x, _, weights = layer
+    out_bytes = N * H * HD * 2
+    shm = shared_memory.SharedMemory(create=True, size=256 + x.nbytes + 2 * out_bytes)
+    try:
+        shm.buf[256:256 + x.nbytes] = x.tobytes()
+        region = client.register_shm("/" + shm.name, shm.size)
+        outs = [RegionSlice(region, 256 + x.nbytes + i * out_bytes, out_bytes) for i in (0, 1)]
+        kw = dict(n_heads=H, head_dim=HD, n_tokens=N, hidden=D, ranges=[Range(0, N, 0, ("int8",))])
+        x_ref = RegionSlice(region, 256, x.nbytes)
+
+        def calls(method):
+            return sum(float(l.split()[-1]) for l in daemon.scrape().splitlines()
+                       if l.startswith("kvpack_requests_total") and f'method="{method}"' in l
+                       and 'code="OK"' in l)
+
+        before = calls("AttentionLayerRegions"), calls("AttentionLayer")
+        client.unary_layers = False
+        streamed = client.attention_layer(x_ref, weights, output=outs[0], **kw)
+        client.unary_layers = True
+        unary = client.attention_layer(x_ref, weights, output=outs[1], **kw)
+        assert (calls("AttentionLayerRegions"), calls("AttentionLayer")) == \
+            (before[0] + 1, before[1] + 1)
+        assert unary.output is None and unary.result.output_bytes == 0
+        assert unary.result.plan == streamed.result.plan
+        a, b = (bytes(shm.buf[o.offset:o.offset + out_bytes]) for o in outs)
+        assert a == b
+        # Straight to the unary method (the client never sends it an inline tensor).
+        h = client.layer_header(n_tokens=N, hidden=D, n_heads=H, head_dim=HD,
+                                ranges=[Range(0, N)], weights=weights)
+        h.x.inline_bytes = x.nbytes
+        client._set_output("AttentionLayer", h, outs[0])
+        with pytest.raises(kvpack.InvalidArgument, match="header.x.inline_bytes: Attention"):
+            client._unary("AttentionLayerRegions", h, None)
+        client.unregister_region(region)
+    finally:
+        shm.close()
+        shm.unlink()
+
+
 def test_errors_name_the_field(client, layer):
     x, _, weights = layer
     with pytest.raises(kvpack.NotFound, match="weights_handle"):

@@ -11,6 +11,7 @@ test's size; the Wan 2.1 1.3B attention is 12 heads x 128 at 32,760 tokens per s
 
 import os
 import statistics
+import time
 
 import pytest
 
@@ -89,7 +90,8 @@ def test_steady_state_registers_nothing(cuda_client):
         del q, k, v, out
     steady = slice(WARMUP_CALLS, None)
     print(f"\nFIGURE segments tokens={n} heads={H}x{D} calls={calls} registrations_per_call={regs} "
-          f"stream_order={'event' if attend.regions.daemon_waits_on_events else 'synchronize'}")
+          f"stream_order={'event' if attend.regions.daemon_waits_on_events else 'synchronize'} "
+          f"answer_before_kernels_end={attend.last_stream_ordered}")
     print(f"FIGURE segments steady outside_ms median="
           f"{1e3 * statistics.median(outside[steady]):.3f} "
           f"max={1e3 * max(outside[steady]):.3f} daemon_ms median="
@@ -97,6 +99,42 @@ def test_steady_state_registers_nothing(cuda_client):
           f"{statistics.median(wall[steady]) / statistics.median(daemon_s[steady]):.4f}")
     attend.regions.forget_all()
     assert sum(regs[steady]) == 0, regs
+
+
+def test_unary_call_against_the_stream(cuda_client):
+    """The same steady-state calls over the unary AttentionLayerRegions and over the streamed
+    AttentionLayer (the client's unary_layers off): bit-identical outputs, and the time outside
+    the daemon of each (issue 17: the stream's extra messages and thread hand-offs)."""
+    n = int(os.environ.get("KVPACK_SEGMENTS_TOKENS", "32760"))
+    calls = int(os.environ.get("KVPACK_SEGMENTS_CALLS", "12"))
+    attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
+    q, k, v = split(fused_qkv(1, n, seed=50))
+    figures, outputs = {}, {}
+    for unary in (False, True, False, True):      # interleaved: drift hits both alike
+        cuda_client.unary_layers = unary
+        outside, wall, daemon_s = [], [], []
+        for _ in range(calls):
+            out = attend(q, k, v)
+            torch.cuda.synchronize()
+            outside.append(attend.last_outside_s)
+            wall.append(attend.last_wall_s)
+            daemon_s.append(attend.last_result.seconds.total)
+        method = cuda_client.last_layer_method
+        assert method == ("AttentionLayerRegions" if unary else "AttentionLayer")
+        outputs.setdefault(method, out.cpu())
+        figures.setdefault(method, ([], [], []))
+        for acc, values in zip(figures[method], (outside, wall, daemon_s)):
+            acc.extend(values[WARMUP_CALLS:])
+    cuda_client.unary_layers = True
+    same = torch.equal(outputs["AttentionLayer"], outputs["AttentionLayerRegions"])
+    for method, (outside, wall, daemon_s) in figures.items():
+        print(f"\nFIGURE unary method={method} tokens={n} heads={H}x{D} outside_ms median="
+              f"{1e3 * statistics.median(outside):.3f} max={1e3 * max(outside):.3f} daemon_ms "
+              f"median={1e3 * statistics.median(daemon_s):.3f} wall/daemon="
+              f"{statistics.median(wall) / statistics.median(daemon_s):.4f} "
+              f"outputs_bit_identical={same}")
+    attend.regions.forget_all()
+    assert same, "the unary call's output differs from the stream's"
 
 
 def test_freed_and_reallocated_tensors_are_never_read_stale(cuda_client):
@@ -185,4 +223,52 @@ def test_the_daemon_waits_for_work_still_queued_on_the_callers_stream(cuda_clien
     assert torch.equal(got.cpu(), want.cpu())
     print(f"\nFIGURE events queued_work_then_call equal_to_inline=True "
           f"daemon_queue_ms={1e3 * attend.last_result.seconds.queue:.3f}")
+    attend.regions.forget_all()
+
+
+def test_the_callers_stream_waits_for_the_daemons_kernels(cuda_client):
+    """header.cuda_done_event: kvpackd answers once its last kernel is queued behind the caller's
+    event, and the caller's stream waits for that event instead of the daemon synchronising first.
+    A copy of the output made on the caller's stream right after the call (no synchronise) must
+    equal the inline path's output: were the wait missing, it would copy a half-written buffer
+    (the output block was filled with NaN just before). Then back-to-back calls with a DiT-like
+    kernel between them, with and without the early answer: the GPU time saved per call."""
+    n = int(os.environ.get("KVPACK_SEGMENTS_TOKENS", "32760"))
+    attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
+    inline = kt.ProjectedAttention(cuda_client, formats=("int8",), cuda_ipc=False)
+    q, k, v = split(fused_qkv(1, n, seed=60))
+    attend(q, k, v)                                       # registers; learns what the daemon takes
+    assert attend.regions.daemon_signals_events, "the CUDA backend takes cuda_done_event"
+    assert attend.last_stream_ordered
+    want = inline(q, k, v).cpu()
+    for trial in range(3):
+        junk = torch.full((1, n, H * D), float("nan"), device="cuda", dtype=torch.bfloat16)
+        del junk                                          # the output's block, NaN-filled
+        got = attend(q, k, v)
+        snapshot = got.clone()                            # on the caller's stream, no synchronise
+        assert attend.last_stream_ordered
+        torch.cuda.synchronize()
+        assert torch.equal(snapshot.cpu(), want), f"trial {trial}: read before the daemon's kernels ended"
+        del got, snapshot
+
+    def run(calls, stream_ordered):
+        attend.use_done_events = stream_ordered
+        x = torch.randn(2048, 2048, device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = attend(q, k, v)
+            x = torch.tanh(x @ x) * 0.5 + out[0, :1, :1].float()   # the block's next kernels
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / calls, attend.last_stream_ordered
+
+    calls = int(os.environ.get("KVPACK_SEGMENTS_CALLS", "12"))
+    run(2, True)
+    ordered, was_ordered = run(calls, True)
+    synced, was_synced = run(calls, False)
+    attend.use_done_events = True
+    assert was_ordered and not was_synced
+    print(f"\nFIGURE done_event tokens={n} heads={H}x{D} snapshot_equal_to_inline=True "
+          f"per_call_ms stream_ordered={1e3 * ordered:.3f} daemon_synchronised={1e3 * synced:.3f} "
+          f"saved_ms={1e3 * (synced - ordered):.3f}")
     attend.regions.forget_all()

@@ -1,0 +1,135 @@
+"""Where a region-only attention call's time goes outside the attention (issue 17).
+
+Starts kvpackd (the build's, CPU backend unless --backend says otherwise), puts q, k, v and the
+output of a small pre-projected layer in one POSIX shared-memory region (the stand-in for CUDA IPC
+regions on a machine without a GPU), and times, per call, median over --calls:
+
+  header     building the LayerHeader in Python (Client.projected_header)
+  rpc        the gRPC call as the client sees it (send header … result received)
+  daemon     LayerResult.seconds.total: header arrival → result ready, as the daemon saw it,
+             split into plan, stream upload (header → half-close: the stream's extra read),
+             queue, project (K/V packing), attend and the rest (binding, submit, release)
+  transport  rpc − daemon: both gRPC stacks, the reply and the thread hand-offs
+  outside    wall − daemon: what issue 17's "time outside the daemon" counts
+  floor      a unary KeepAlive with no ids: gRPC's own round trip on this machine
+
+once over the streamed AttentionLayer and once over the unary AttentionLayerRegions (where the
+daemon has it). The shapes are small so that the attention is negligible.
+
+    python3 bench/frontend_overhead.py [--tokens 256 --heads 2 --head_dim 64 --calls 300]
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
+
+import kvpack  # noqa: E402
+from kvpack import testing  # noqa: E402
+from kvpack.types import Range, RegionSlice  # noqa: E402
+
+
+def median_ms(values):
+    return 1e3 * statistics.median(values)
+
+
+def run(client, region_id, args, method):
+    hd = args.heads * args.head_dim
+    nbytes = args.tokens * hd * 2
+    slices = [RegionSlice(region_id, i * nbytes, nbytes) for i in range(4)]
+    ranges = [Range(0, args.tokens, 0, ("int8",))]
+    rows = {k: [] for k in ("header", "rpc", "daemon", "plan", "queue", "project", "attend",
+                            "upload", "wall")}
+    for i in range(args.warmup + args.calls):
+        t0 = time.perf_counter()
+        # The client's own steps (private: this bench times them one by one).
+        header, _, _ = client._projected_header(
+            *slices[:3], n_heads=args.heads, head_dim=args.head_dim, ranges=ranges,
+            layout="token_major", row_stride=0, batch=0, n_tokens=args.tokens,
+            options=kvpack.LayerOptions(), keep_kv=False, priority=0, cuda_wait_event=None)
+        client._set_output("AttentionLayer", header, slices[3])
+        t1 = time.perf_counter()
+        if method == "AttentionLayer":
+            result = client._streamed(method, header, [], args.tokens, None).result
+        else:
+            result = client._unary(method, header, None)
+        t2 = time.perf_counter()
+        if i < args.warmup:
+            continue
+        s = result.seconds
+        rows["header"].append(t1 - t0)
+        rows["rpc"].append(t2 - t1)
+        rows["wall"].append(t2 - t0)
+        rows["daemon"].append(s.total)
+        rows["plan"].append(s.plan)
+        rows["queue"].append(s.queue)
+        rows["project"].append(s.project)
+        rows["attend"].append(s.attend)
+        rows["upload"].append(s.transfer)
+    med = {k: median_ms(v) for k, v in rows.items()}
+    med["transport"] = median_ms([r - d for r, d in zip(rows["rpc"], rows["daemon"])])
+    med["outside"] = median_ms([w - d for w, d in zip(rows["wall"], rows["daemon"])])
+    med["daemon_other"] = (med["daemon"] - med["plan"] - med["queue"] - med["project"]
+                           - med["attend"] - med["upload"])
+    return med
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--head_dim", type=int, default=64)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--backend", default="cpu")
+    args = ap.parse_args()
+
+    rng = np.random.default_rng(17)
+    hd = args.heads * args.head_dim
+    nbytes = args.tokens * hd * 2
+    shm = shared_memory.SharedMemory(create=True, size=4 * nbytes)
+    try:
+        data = np.ndarray((3, args.tokens, hd), dtype=np.float32,
+                          buffer=bytearray(3 * args.tokens * hd * 4))
+        data[...] = rng.standard_normal(data.shape) + 0.25
+        bits = (data.view(np.uint32) >> 16).astype(np.uint16)      # bf16 by truncation
+        np.ndarray((3, args.tokens, hd), dtype=np.uint16, buffer=shm.buf)[...] = bits
+        with testing.LocalDaemon(extra_args=(f"--backend={args.backend}",)) as d, \
+                kvpack.Client(d.target, timeout=60) as c:
+            region = c.register_shm("/" + shm.name, shm.size)
+            floor = []
+            for _ in range(args.warmup + args.calls):
+                t0 = time.perf_counter()
+                c.keep_alive([])
+                floor.append(time.perf_counter() - t0)
+            floor_ms = median_ms(floor[args.warmup:])
+            print(f"frontend_overhead: {args.tokens} tokens, {args.heads}x{args.head_dim}, "
+                  f"backend {args.backend}, {args.calls} calls, medians in ms")
+            print(f"  gRPC unary floor (KeepAlive): {floor_ms:.3f}")
+            outputs = {}
+            for method in ("AttentionLayer", "AttentionLayerRegions"):
+                m = run(c, region, args, method)
+                outputs[method] = bytes(shm.buf[3 * nbytes:4 * nbytes])
+                print(f"  {method:22s} wall {m['wall']:.3f} = header {m['header']:.3f}"
+                      f" + rpc {m['rpc']:.3f}; rpc = transport {m['transport']:.3f} + daemon"
+                      f" {m['daemon']:.3f} (plan {m['plan']:.3f}, stream upload {m['upload']:.3f},"
+                      f" queue {m['queue']:.3f}, project {m['project']:.3f}, attend"
+                      f" {m['attend']:.3f}, rest {m['daemon_other']:.3f});"
+                      f" outside the daemon {m['outside']:.3f}")
+            same = outputs["AttentionLayer"] == outputs["AttentionLayerRegions"]
+            print(f"  outputs of both methods bit-identical: {same}")
+            c.unregister_region(region)
+            return 0 if same else 1
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
