@@ -95,48 +95,55 @@ __device__ __forceinline__ void QuantizeQueryTile(const AttentionParams& p, int6
 }
 
 // ── The routed (block-sparse) instance (sparse.h) ───────────────────────────────────────────────
-// A CTA takes one query block b = blockIdx.x (the queries of page first_page + b); both consumer groups
-// hold its rows and split its pages: group c takes pages c, c + 2, … of the list (stage s of the ring
-// always goes to group s mod 2, so only that group hands it back: kEmptyCount), and the two partial
-// softmax states are merged at the end (FlashDecoding's split over keys, inside the CTA). The list is
-// the block's exact pages in page order, then — one more pass after the last window — its pooled
+// A CTA takes query blocks 2·blockIdx.x and 2·blockIdx.x + 1 of the launch (pages first_page + b), one
+// per consumer group. The visible list of a window holds the pages that either block attends exactly,
+// each entry's bits 14–15 saying which (kRoutedMember: bit c = group c); a group masks whole pages it
+// does not route. After the last window one more pass streams the union of the two blocks' pooled
 // pages, 64 per synthetic page (PageDesc::reserved = kSyntheticPage): K rows their mean keys, V rows
 // their V sums (bf16), built by the producers straight into the tiles; key j counts n_j tokens in the
-// softmax sum (weight). (A first version paired two blocks per CTA, one per group, over the union of
-// their pages: on H3's random projections it did 1.8× the exact MMAs.)
+// softmax sum (weight) and is masked for a group that does not pool its page.
+inline constexpr int kRoutedOffsetBits = 14;
 inline constexpr uint32_t kSyntheticPage = 4;
 
 template <bool kRouted, int kStages>
 struct RoutedState {
-  uint8_t weight[kStages][kPageTokens];   // synthetic page of stage s: its keys' token counts
+  unsigned long long member[kStages][2];  // synthetic page of stage s: key j pooled by group c
+  uint8_t weight[kStages][kPageTokens];   // its keys' token counts
   uint16_t pages[kPageTokens];            // the pages of the synthetic page being built
-  int cursor;                             // next page to look at for the pooled pages
+  int cursor;                             // next page to look at for the pooled union
   int n_synthetic;
-  int64_t q0, t0;                         // the block's first query: launch row, token (position)
-  int rows;                               // its queries
+  int64_t q0[2];                          // per consumer group: launch row of the block's first query,
+  int64_t t0[2];                          // its token (position),
+  int rows[2];                            // its queries (0: no block)
 };
 template <int kStages>
 struct RoutedState<false, kStages> {};
 
-__device__ __forceinline__ const uint32_t* RouteBits(const AttentionParams& p, const uint32_t* bits, int head) {
-  return bits + (static_cast<int64_t>(blockIdx.x) * p.kv.n_heads + head) * p.route.words;
-}
-
-// The routed twin of CollectVisiblePages: the block's exact pages among [w0, w0 + wn), in page order.
-// Same barriers.
+// The routed twin of CollectVisiblePages: pages of [w0, w0 + wn) that either block attends exactly,
+// in page order, with their group bits. Same barriers.
 template <int kThreads, int kWindow>
 __device__ int CollectRoutedPages(const AttentionParams& p, int head, int w0, int wn,
                                   VisibleScratch<kThreads, kWindow>& scratch) {
+  static_assert(kWindow <= (1 << kRoutedOffsetBits), "offsets below the group bits");
   constexpr int kPerThread = kWindow / kThreads;
   const int tid = threadIdx.x;
-  const uint32_t* exact = RouteBits(p, p.route.exact_bits, head);
-  uint32_t mine = 0;  // bit i: page tid·kPerThread + i is exact
+  const AttentionParams::Route& route = p.route;
+  const uint32_t* bits[2];
+  for (int c = 0; c < 2; ++c) {
+    const int b = 2 * blockIdx.x + c;
+    bits[c] = b < route.n_blocks ? route.exact_bits + (static_cast<int64_t>(b) * p.kv.n_heads + head) * route.words : nullptr;
+  }
+  uint32_t mine[2] = {0, 0};  // bit i: page tid·kPerThread + i is routed by group c
   int count = 0;
   for (int i = 0; i < kPerThread; ++i) {
     const int idx = tid * kPerThread + i;
     if (idx >= wn) break;
     const int pg = w0 + idx;
-    if (exact[pg >> 5] >> (pg & 31) & 1u) mine |= 1u << i, ++count;
+    bool any = false;
+    for (int c = 0; c < 2; ++c) {
+      if (bits[c] != nullptr && (bits[c][pg >> 5] >> (pg & 31) & 1u)) mine[c] |= 1u << i, any = true;
+    }
+    count += any;
   }
   scratch.counts[tid] = count;
   __syncthreads();
@@ -152,47 +159,71 @@ __device__ int CollectRoutedPages(const AttentionParams& p, int head, int w0, in
   __syncthreads();
   int pos = scratch.counts[tid];
   for (int i = 0; i < kPerThread; ++i) {
-    if (mine & (1u << i)) scratch.visible[pos++] = static_cast<uint16_t>(tid * kPerThread + i);
+    const uint32_t member = (mine[0] >> i & 1u) | (mine[1] >> i & 1u) << 1;
+    if (member) scratch.visible[pos++] = static_cast<uint16_t>((tid * kPerThread + i) | member << kRoutedOffsetBits);
   }
   const int n_visible = scratch.n_visible;
   __syncthreads();
   return n_visible;
 }
 
-// Producer warp 0: the next synthetic page of the block's pooled pages from state.cursor — its pages,
-// weights and descriptor (stage s). 32 words (1024 pages) per step, one per lane, so that the bit loads
-// run side by side (thread 0 alone, one dependent load per page, cost H3's layer 0.5 s).
+// Producer warp 0: the next synthetic page of the pooled union from state.cursor — its pages, their
+// group bits, weights and descriptor (stage s). 32 words (1024 pages) per step, one per lane, so that
+// the bit loads run side by side (thread 0 alone, one dependent load per page, cost H3's layer 0.5 s).
 template <int kStages>
 __device__ void NextSyntheticPage(const AttentionParams& p, int head, int s, RoutedState<true, kStages>& state,
                                   PageDesc& desc, int lane) {
-  const uint32_t* pooled = RouteBits(p, p.route.pooled_bits, head);
+  const AttentionParams::Route& route = p.route;
+  const uint32_t* bits[2];
+  for (int c = 0; c < 2; ++c) {
+    const int b = 2 * blockIdx.x + c;
+    bits[c] = b < route.n_blocks ? route.pooled_bits + (static_cast<int64_t>(b) * p.kv.n_heads + head) * route.words : nullptr;
+  }
+  __shared__ uint8_t member_of[kPageTokens];
   const int cursor = state.cursor;
   int count = 0, next = p.kv.n_pages;  // pages found; the page after the last one taken
-  for (int w0 = cursor >> 5; w0 < p.route.words && count < kPageTokens; w0 += 32) {
+  for (int w0 = cursor >> 5; w0 < route.words && count < kPageTokens; w0 += 32) {
     const int w = w0 + lane;
-    uint32_t word = w < p.route.words ? pooled[w] : 0u;
-    if (w == cursor >> 5) word &= ~0u << (cursor & 31);
-    const int mine = __popc(word);
+    uint32_t word[2] = {0, 0};
+    if (w < route.words) {
+      for (int c = 0; c < 2; ++c) word[c] = bits[c] != nullptr ? bits[c][w] : 0u;
+      if (w == cursor >> 5) word[0] &= ~0u << (cursor & 31), word[1] &= ~0u << (cursor & 31);
+    }
+    uint32_t any = word[0] | word[1];
+    const int mine = __popc(any);
     int before = mine;  // inclusive prefix over lanes
     for (int o = 1; o < 32; o <<= 1) {
       const int x = __shfl_up_sync(kFullMask, before, o);
       if (lane >= o) before += x;
     }
     const int total = __shfl_sync(kFullMask, before, 31);
-    for (int slot = count + before - mine; word != 0 && slot < kPageTokens; ++slot) {
-      const int pg = w * 32 + __ffs(word) - 1;
-      word &= word - 1;
+    int slot = count + before - mine;
+    while (any != 0 && slot < kPageTokens) {
+      const int bit = __ffs(any) - 1;
+      any &= any - 1;
+      const int pg = w * 32 + bit;
       state.pages[slot] = static_cast<uint16_t>(pg);
       state.weight[s][slot] = static_cast<uint8_t>(p.kv.pages[pg].n_valid);
+      member_of[slot] = static_cast<uint8_t>((word[0] >> bit & 1u) | (word[1] >> bit & 1u) << 1);
       if (slot == kPageTokens - 1) next = pg + 1;
+      ++slot;
     }
     count += total;
-    next = static_cast<int>(__reduce_min_sync(kFullMask, static_cast<unsigned>(next)));
+    next = __reduce_min_sync(kFullMask, static_cast<unsigned>(next));
+  }
+  count = count < kPageTokens ? count : kPageTokens;
+  __syncwarp();
+  unsigned long long member[2] = {0, 0};
+  for (int half = 0; half < 2; ++half) {
+    const int j = half * 32 + lane;
+    const uint8_t m = j < count ? member_of[j] : 0;
+    for (int c = 0; c < 2; ++c) member[c] |= static_cast<unsigned long long>(__ballot_sync(kFullMask, m >> c & 1)) << (32 * half);
   }
   if (lane == 0) {
     state.cursor = next;
+    state.member[s][0] = member[0], state.member[s][1] = member[1];
     desc = PageDesc{};
-    desc.n_valid = static_cast<uint16_t>(count < kPageTokens ? count : kPageTokens);
+    desc.n_valid = static_cast<uint16_t>(count);
     desc.format = static_cast<uint8_t>(PageFormat::kBf16);
     desc.reserved = kSyntheticPage;
   }
@@ -228,6 +259,13 @@ __device__ void BuildSyntheticTiles(const AttentionParams& p, int head, int coun
   if (ptid < kPageTokens) keys[ptid] = make_float2(scale_log2, 0.0f);
 }
 
+// A visible-list entry's page offset (the routed list carries group bits above it).
+template <bool kRouted>
+__device__ __forceinline__ int VisibleOffset(uint16_t entry) {
+  if constexpr (kRouted) return entry & ((1 << kRoutedOffsetBits) - 1);
+  return entry;
+}
+
 // S accumulators as floats: the bf16 path's are floats; the INT8 path's hold int32 until the softmax
 // turns them into floats in the same registers. |S| < 2^22 (127 · 127 · 128 with INT8 keys, 127 · 15 · 128
 // with INT4), so 2^23 + 2^22 + S is exact in fp32 and one integer add and one float subtract convert it.
@@ -243,10 +281,6 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
   using T = Sm90Tile<kDim, kStages, kInt8Qk>;
   static_assert(!(kInt8Qk && kRouted), "the routed instance runs bf16 MMAs (as the CPU's sparse path)");
   using SAcc = std::conditional_t<kInt8Qk, uint32_t, float>;  // S accumulator registers
-  // Threads meeting at kEmptyBar + s: the producers and the consumers of stage s (routed: one group).
-  constexpr int kEmptyCount = kRouted ? T::kProducerThreads + 128 : T::kThreads;
-  constexpr bool kPingPong = T::kPingPong && !kRouted;  // routed groups take different pages
-  static_assert(!kRouted || T::kDeepRing, "the routed instance splits pages over a deep ring");
   static_assert(T::kProducerThreads == kProducerThreads, "DecodePage's thread layout");
   constexpr int kUnitsPerRow = kDim / 8;  // 16-byte chunks per bf16 row
   constexpr int kONTiles = kDim / 8;      // 8-channel column groups of O
@@ -273,28 +307,34 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
   const int64_t t0 = p.q_token_begin + q0;  // its token index (= position)
   const int n_pages = p.kv.n_pages;
 
-  if constexpr (kRouted) {  // query block blockIdx.x, its rows in both consumer groups' halves of Q
-    if (tid == 0) {
-      const PageDesc block = p.kv.pages[p.route.first_page + blockIdx.x];
-      routed.t0 = block.token_begin;
-      routed.q0 = block.token_begin - p.q_token_begin;
-      routed.rows = block.n_valid;
-      routed.n_synthetic = 0;
-      routed.cursor = 0;
+  if constexpr (kRouted) {  // consumer group c: query block 2·blockIdx.x + c, its rows from its first query
+    if (tid < 2) {
+      const int b = 2 * blockIdx.x + tid;
+      const PageDesc block = b < p.route.n_blocks ? p.kv.pages[p.route.first_page + b] : PageDesc{};
+      routed.t0[tid] = block.token_begin;
+      routed.q0[tid] = block.token_begin - p.q_token_begin;
+      routed.rows[tid] = b < p.route.n_blocks ? block.n_valid : 0;
     }
+    if (tid == 0) routed.n_synthetic = 0, routed.cursor = 0;
     __syncthreads();
-    int pooled = 0;  // the block's pooled pages, over all threads
-    const uint32_t* pooled_bits = RouteBits(p, p.route.pooled_bits, head);
-    for (int w = tid; w < p.route.words; w += T::kThreads) pooled += __popc(pooled_bits[w]);
+    int pooled = 0;  // the pooled union's size, over all threads
+    for (int w = tid; w < p.route.words; w += T::kThreads) {
+      uint32_t u = 0;
+      for (int c = 0; c < 2; ++c) {
+        const int b = 2 * blockIdx.x + c;
+        if (b < p.route.n_blocks) u |= p.route.pooled_bits[(static_cast<int64_t>(b) * p.kv.n_heads + head) * p.route.words + w];
+      }
+      pooled += __popc(u);
+    }
     if (pooled) atomicAdd(&routed.n_synthetic, pooled);
+    __syncthreads();
+    if (tid == 0) routed.n_synthetic = (routed.n_synthetic + kPageTokens - 1) / kPageTokens;
     for (int u = tid; u < kTileQueries * kUnitsPerRow; u += T::kThreads) {
       const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow, c = r / T::kGroupRows, rr = r % T::kGroupRows;
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (rr < routed.rows) v = *reinterpret_cast<const uint4*>(p.q + (routed.q0 + rr) * p.q_stride + head * kDim + c8 * 8);
+      if (rr < routed.rows[c]) v = *reinterpret_cast<const uint4*>(p.q + (routed.q0[c] + rr) * p.q_stride + head * kDim + c8 * 8);
       *reinterpret_cast<uint4*>(smem + c * (T::kQBytes / 2) + SwizzledOffset<T::kGroupRows>(rr, c8)) = v;
     }
-    __syncthreads();
-    if (tid == 0) routed.n_synthetic = (routed.n_synthetic + kPageTokens - 1) / kPageTokens;
   } else if constexpr (kInt8Qk) {
     QuantizeQueryTile<T>(p, q0, n_rows, head, smem, q_rows_int8);
   } else {
@@ -340,7 +380,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           for (int i = 0; i < n_visible; ++i) {
             BarSync(T::kProducerBar, T::kProducerThreads);  // the previous page is built (state.pages free)
             const int s = i % T::kStages;
-            if (i >= T::kStages) BarSync(T::kEmptyBar + s, kEmptyCount);
+            if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);
             if (tid < 32) NextSyntheticPage(p, head, s, routed, tile_desc[s], tid);
             BarSync(T::kProducerBar, T::kProducerThreads);
             BuildSyntheticTiles<kDim>(p, head, tile_desc[s].n_valid, routed, smem + T::kKOffset + s * T::kKTileBytes,
@@ -362,10 +402,11 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           const int st = j % T::kRawStages;
           IssuePageCopy<kDim>(p.kv.pool, source, raw + st * stage_bytes, p.max_page_bytes, SmemAddr(&raw_full[st]));
           raw_desc[st] = source.desc;
-          if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + scratch.visible[j + 1]);
+          if constexpr (kRouted) raw_desc[st].reserved = scratch.visible[j] >> kRoutedOffsetBits;  // group bits
+          if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + VisibleOffset<kRouted>(scratch.visible[j + 1]));
         };
         if (tid == 0) {
-          source = FetchPageSource(p, head, w0 + scratch.visible[0]);
+          source = FetchPageSource(p, head, w0 + VisibleOffset<kRouted>(scratch.visible[0]));
           for (int j = 0; j < T::kRawStages - 1 && j < n_visible; ++j) issue(j);
         }
         for (int i = 0; i < n_visible; ++i) {
@@ -376,7 +417,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           MbarWait(SmemAddr(&raw_full[st]), (raw_phase >> st) & 1u);
           raw_phase ^= 1u << st;
           const int s = i % T::kStages;
-          if (i >= T::kStages) BarSync(T::kEmptyBar + s, kEmptyCount);  // consumers are done with page i − kStages
+          if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);  // consumers are done with page i − kStages
           const PageDesc page = raw_desc[st];
           uint8_t* k_tile = smem + T::kKOffset + s * T::kKTileBytes;
           uint8_t* v_tile = smem + T::kVOffset + s * T::kTileBytes;
@@ -434,9 +475,9 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
     q_sum[r] = sum + __shfl_xor_sync(kFullMask, sum, 2);
   }
   uint32_t full_phase = 0;  // bit s: the parity of tile_full[s]'s next completion
-  // The routed instance: the block's first token (both groups hold its rows).
+  // The routed instance: this group's block (its first token; its rows start at row_base's group).
   int64_t group_t0 = 0;
-  if constexpr (kRouted) group_t0 = routed.t0;
+  if constexpr (kRouted) group_t0 = routed.t0[consumer];
   const int n_end = kRouted ? n_pages + T::kWindow : n_pages;
   for (int w0 = 0; w0 < n_end; w0 += T::kWindow) {
     const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
@@ -500,16 +541,30 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         bool weighted = false;  // a synthetic page: key j stands for weight[j] tokens in the sum
         if constexpr (kRouted) {
           const int row_in_group = warp_in_group * 16 + g;
-          weighted = page.reserved & kSyntheticPage;
-          if (page.n_valid < kPageTokens ||
-              (!weighted && p.visibility.causal && page.token_begin + page.n_valid - 1 > group_t0)) {
+          if (page.reserved & kSyntheticPage) {
+            weighted = true;
+            const unsigned long long member = routed.member[i % T::kStages][consumer];
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                if (!(member >> (n * 8 + 2 * t + (e & 1)) & 1ull)) SetFloat(sc[n][e], -INFINITY);
+              }
+            }
+          } else if (!(page.reserved >> consumer & 1u)) {  // the other block's exact page
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) SetFloat(sc[n][e], -INFINITY);
+            }
+          } else if (page.n_valid < kPageTokens || (p.visibility.causal && page.token_begin + page.n_valid - 1 > group_t0)) {
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
                 const int key = n * 8 + 2 * t + (e & 1);
-                const bool ok = key < page.n_valid && (weighted || !p.visibility.causal ||
-                                                       page.token_begin + key <= group_t0 + row_in_group + (e >> 1) * 8);
+                const bool ok = key < page.n_valid &&
+                                (!p.visibility.causal || page.token_begin + key <= group_t0 + row_in_group + (e >> 1) * 8);
                 if (!ok) SetFloat(sc[n][e], -INFINITY);
               }
             }
@@ -593,39 +648,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         }
       };
 
-      if constexpr (kRouted) {
-        // Split pages: this group takes pages consumer, consumer + 2, …; page i + 2 (the next one) is
-        // filled once this group handed back page i − 2, so its S runs under P(i)·V as in the dense ring.
-        SAcc (&sc)[8][4] = s_cur;
-        float corr[2];
-        float4 keys[8];
-        int i = consumer;
-        if (i < n_visible) {
-          issue_s(sc, i, true);
-          load_keys(keys, i);
-          WgmmaWait<0>();
-          FenceRegs(sc);
-          softmax(sc, keys, i, corr);
-          pack_p(sc);
-          for (; i < n_visible; i += 2) {
-            const bool more = i + 2 < n_visible;
-            issue_s(sc, more ? i + 2 : i, more);
-            issue_pv(i);
-            load_keys(keys, more ? i + 2 : i);
-            WgmmaWait<1>();
-            FenceRegs(sc);
-            if (more) softmax(sc, keys, i + 2, corr);
-            WgmmaWait<0>();
-            FenceRegs(o);
-            fence_p();
-            if (i + T::kStages < n_visible) BarArrive(T::kEmptyBar + i % T::kStages, kEmptyCount);
-            if (more) {
-              rescale_o(corr);
-              pack_p(sc);
-            }
-          }
-        }
-      } else if constexpr (T::kStages >= 3) {
+      if constexpr (T::kStages >= 3) {
         // Deep ring: at the top of step i, P(i) is in `a` and O is scaled to page i's row maxima. The
         // group issues S(i+1) and P(i)·V back to back, then computes the softmax of page i + 1 while
         // P(i)·V runs. The two consumer groups take turns to issue (kTurnBar), so that one group's
@@ -640,13 +663,13 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         FenceRegs(sc);
         softmax(sc, keys, 0, corr);
         pack_p(sc);
-        if (kPingPong && consumer == 1) BarArrive(T::kTurnBar, 2 * 128);  // group 0 issues first
+        if (T::kPingPong && consumer == 1) BarArrive(T::kTurnBar, 2 * 128);  // group 0 issues first
         for (int i = 0; i < n_visible; ++i) {
           const bool more = i + 1 < n_visible;
-          if (kPingPong) BarSync(turn, 2 * 128);
+          if (T::kPingPong) BarSync(turn, 2 * 128);
           issue_s(sc, more ? i + 1 : i, more);
           issue_pv(i);
-          if (kPingPong && (consumer == 0 || more)) BarArrive(other_turn, 2 * 128);
+          if (T::kPingPong && (consumer == 0 || more)) BarArrive(other_turn, 2 * 128);
           load_keys(keys, more ? i + 1 : i);
           WgmmaWait<1>();
           FenceRegs(sc);
@@ -695,37 +718,6 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
     __syncthreads();  // matches the producer's, before the next window
   }
 
-  if constexpr (kRouted) {
-    // Merge the groups' partial states over the same rows: group 1's registers go through shared memory
-    // (over the dead V tiles) to the group-0 thread that holds the same rows and channels.
-    constexpr int kFloats = kONTiles * 4 + 4;
-    float* xchg = reinterpret_cast<float*>(smem + T::kVOffset) + (tid % 128) * kFloats;
-    if (consumer == 1) {
-#pragma unroll
-      for (int n = 0; n < kONTiles; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) xchg[n * 4 + e] = o[n][e];
-      }
-      xchg[kONTiles * 4 + 0] = row_max[0], xchg[kONTiles * 4 + 1] = row_max[1];
-      xchg[kONTiles * 4 + 2] = row_sum[0], xchg[kONTiles * 4 + 3] = row_sum[1];
-      BarArrive(T::kTurnBar, 2 * 128);
-      return;
-    }
-    BarSync(T::kTurnBar, 2 * 128);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m_other = xchg[kONTiles * 4 + r], m = fmaxf(row_max[r], m_other);
-      const float m_use = m == -INFINITY ? 0.0f : m;
-      const float a = Exp2Ftz(row_max[r] - m_use), b = Exp2Ftz(m_other - m_use);
-      row_sum[r] = row_sum[r] * a + xchg[kONTiles * 4 + 2 + r] * b;
-#pragma unroll
-      for (int n = 0; n < kONTiles; ++n) {
-        o[n][2 * r] = o[n][2 * r] * a + xchg[n * 4 + 2 * r] * b;
-        o[n][2 * r + 1] = o[n][2 * r + 1] * a + xchg[n * 4 + 2 * r + 1] * b;
-      }
-    }
-  }
-
   // ── Epilogue: normalise, stage rows in shared memory, Rᵀ and +μ_v per row, bf16 out ──────────
   float* stage_rows = reinterpret_cast<float*>(smem) + row_base * T::kStagePitch;  // this warp's 16 rows
   float inv[2];
@@ -737,10 +729,10 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
   }
   __syncwarp();
   if constexpr (kRouted) {
-    const int group_rows = routed.rows - warp_in_group * 16;
+    const int group_rows = routed.rows[consumer] - warp_in_group * 16;
     const int warp_rows = group_rows < 16 ? group_rows : 16;
     if (warp_rows > 0) {
-      WriteOutputRows<kDim>(p, head, stage_rows, T::kStagePitch, warp_rows, routed.q0 + warp_in_group * 16, lane);
+      WriteOutputRows<kDim>(p, head, stage_rows, T::kStagePitch, warp_rows, routed.q0[consumer] + warp_in_group * 16, lane);
     }
   } else {
     const int warp_rows = n_rows - row_base < 16 ? n_rows - row_base : 16;
@@ -757,9 +749,13 @@ template <bool kValue>
 using Bool = std::integral_constant<bool, kValue>;
 template <class F>
 auto WithInstance(int head_dim, int max_page_bytes, MmaPath mma, bool routed, F&& f) {
-  if (routed) {  // deep ring only (Sm90RoutedRuns): BF16 pages at d = 128 take the portable kernel
-    return head_dim == 128 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<true>{})
-                           : f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<true>{});
+  if (routed) {
+    if (head_dim == 128) {
+      return Sm90Stages<128>(max_page_bytes) == kSm90DeepStages
+                 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<true>{})
+                 : f(Int<128>{}, Int<2>{}, Bool<false>{}, Bool<true>{});
+    }
+    return f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<true>{});
   }
   if (mma == MmaPath::kInt8) {
     return head_dim == 128 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<true>{}, Bool<false>{})
@@ -786,8 +782,8 @@ template <int kDim, int kStages, bool kInt8Qk, bool kRouted>
 Error Launch(const AttentionParams& p, cudaStream_t stream) {
   int smem = 0;
   KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages, kInt8Qk, kRouted>(p.max_page_bytes, &smem)));
-  // Routed: one query block per CTA.
-  const dim3 grid = kRouted ? dim3(p.route.n_blocks, p.kv.n_heads) : AttentionGrid(p);
+  // Routed: two query blocks per CTA.
+  const dim3 grid = kRouted ? dim3((p.route.n_blocks + 1) / 2, p.kv.n_heads) : AttentionGrid(p);
   AttentionSm90Kernel<kDim, kStages, kInt8Qk, kRouted><<<grid, Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, smem, stream>>>(p);
   KVPACK_CUDA_RETURN_LAUNCH("attention sm90 kernel");
   return Error::Ok();
@@ -812,9 +808,7 @@ int AttentionSm90SharedBytes(int head_dim, int max_page_bytes) {  // the bf16 pa
 
 Error LaunchAttentionSm90(const AttentionParams& params, cudaStream_t stream) {
   const bool routed = params.route.n_blocks > 0;
-  if (routed && (params.mma == MmaPath::kInt8 || !Sm90RoutedRuns(params.kv.head_dim, params.max_page_bytes))) {
-    return InvalidArgument("routed attention on the wgmma kernel: bf16 MMAs over a deep ring only");
-  }
+  if (routed && params.mma == MmaPath::kInt8) return InvalidArgument("routed attention runs bf16 MMAs");
   return WithInstance(params.kv.head_dim, params.max_page_bytes, params.mma, routed,
                       [&](auto dim, auto stages, auto int8, auto route) {
                         return Launch<dim.value, stages.value, int8.value, route.value>(params, stream);

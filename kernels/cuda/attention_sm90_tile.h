@@ -92,10 +92,6 @@ template <int kDim>
 constexpr int Sm90Stages(int max_page_bytes) {
   return Sm90DynamicSmem<kDim, kSm90DeepStages>(max_page_bytes) <= kSm90MaxDynamicSmem ? kSm90DeepStages : 2;
 }
-// Whether the routed (block-sparse) instance serves an entry: it splits pages over a deep ring.
-constexpr bool Sm90RoutedRuns(int head_dim, int max_page_bytes) {
-  return head_dim == 64 || Sm90Stages<128>(max_page_bytes) == kSm90DeepStages;
-}
 // The INT8 MMA path never meets a BF16 page (ResolveMmaPath), so it always takes four stages.
 static_assert(Sm90DynamicSmem<128, kSm90DeepStages, true>(PageBytes(PageFormat::kInt8, 128)) <= kSm90MaxDynamicSmem,
               "the INT8 MMA path takes four stages with INT4 and INT8 pages");

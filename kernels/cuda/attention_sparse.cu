@@ -15,7 +15,6 @@
 #include "kernels/cuda/attention_device.cuh"
 #include "kernels/cuda/attention_sm80_warp.cuh"
 #include "kernels/cuda/attention_sm90.h"
-#include "kernels/cuda/attention_sm90_tile.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/sparse.h"
 
@@ -191,10 +190,7 @@ Error Launch(const SparseChunk& chunk, cudaStream_t stream) {
 
 Error LaunchSparseAttention(const SparseChunk& chunk, cudaStream_t stream) {
   if (chunk.attention.route.n_blocks <= 0) return Error::Ok();
-  if (chunk.attention.tiling == AttentionTilingChoice::kWgmma &&
-      Sm90RoutedRuns(chunk.attention.kv.head_dim, chunk.attention.max_page_bytes)) {
-    return LaunchAttentionSm90(chunk.attention, stream);
-  }
+  if (chunk.attention.tiling == AttentionTilingChoice::kWgmma) return LaunchAttentionSm90(chunk.attention, stream);
   switch (chunk.attention.kv.head_dim) {
     case 64:
       return Launch<64>(chunk, stream);

@@ -9,11 +9,13 @@
 //                     memory (double dots); then one CTA per (query block, head): the visible pages,
 //                     the forced pages, top-k or rel-tau, the floor — the CPU's RoutePages, bit for
 //                     bit — written as two bitmasks per (block, head): exact and pooled pages.
-//   LaunchSparseAttention  per query chunk. On the wgmma kernel's GPUs (sm_90a, deep ring) its routed
-//                     instance (attention_sm90.cu): a CTA per (query block, head), both consumer groups
-//                     on its rows, splitting its exact pages (even / odd), then its pooled pages 64 at a
-//                     time as synthetic bf16 pages of mean keys and V sums weighted by token count in the
-//                     softmax sum; the two partial states merged at the end. Elsewhere
+//   LaunchSparseAttention  per query chunk. On the wgmma kernel's GPUs (sm_90a) its routed instance
+//                     (attention_sm90.cu): a CTA takes two query blocks, one per consumer group, and
+//                     streams the union of their exact pages (each group masks the pages it does not
+//                     route), then the union of their pooled pages 64 at a time as synthetic bf16 pages
+//                     of mean keys and V sums, weighted by token count in the softmax sum. (Splitting one
+//                     block's pages over both groups instead measured 1.29x slower on H3: no ping-pong,
+//                     a merge at the end; bench/RESULTS.md, session 8.) Elsewhere
 //                     one CTA of 4 warps × 16 rows per (query block, head)
 //                     (attention_sparse.cu, mma.sync, every arch): the exact pages in ascending order
 //                     (raw copy, codec decode, S = Q·Kᵀ, masks, online softmax, O += P·V), then the
