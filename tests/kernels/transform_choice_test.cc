@@ -120,6 +120,11 @@ TEST(TransformChoice, NeverRanksBelowNaiveAndReportsBothEstimates) {
     EXPECT_GT(c.by_format[1].Rel(), c.by_format[2].Rel());
     // The tables now hold the kept set: estimating them again gives the same figure.
     EXPECT_DOUBLE_EQ(EstimateHeadError(sample, s.transforms, 0.0f, tables, PageFormat::kInt4).err, c.chosen.err);
+    // Each format's figure (from the estimator's reused K and V sides) is a fresh estimate's.
+    for (int f = 0; f < kNumPageFormats; ++f) {
+      EXPECT_DOUBLE_EQ(EstimateHeadError(sample, s.transforms, 0.0f, tables, static_cast<PageFormat>(f)).err,
+                       c.by_format[f].err) << "head " << h << " format " << f;
+    }
   }
 }
 
