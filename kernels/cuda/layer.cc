@@ -368,6 +368,7 @@ Error Supported(const LayerConfig& c) {
 uint64_t KvBytes(const LayerConfig& c) { return KvLayoutBytes(c.shape, c.ranges); }
 
 uint64_t WorkspaceBytes(const LayerConfig& c) { return BlasBytes(c) + MainRegionBytes(c); }
+uint64_t RoutingBytes(const LayerConfig& c) { return c.attention.sparse.enabled ? PlanSparseRegion(c).end : 0; }
 
 Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* workspace,
                 const CudaContext& ctx, const ChunkGate& gate) {

@@ -76,6 +76,9 @@ uint64_t KvBytes(const LayerConfig& config);
 // workspace plus the largest of the projection workspace [Tp, 2·H·d] bf16, the query workspace
 // [Tq, H·d] bf16 and the pre-pass buffers (with the per-head choice, its sample: head_choice.h).
 uint64_t WorkspaceBytes(const LayerConfig& config);
+// Of that workspace, the block-sparse routing region (page statistics, bitmasks, centroids, scores:
+// sparse.h SparseRegion); 0 with sparse off. Reported as PlanResult.routing_bytes.
+uint64_t RoutingBytes(const LayerConfig& config);
 
 // The MMA path AttendLayer runs for `config` on the resolved kernel `tiling` (mma_path.h):
 // config.attention.mma resolved against the entry, and kBf16 on kernels without the INT8 path.

@@ -61,6 +61,8 @@ class Backend {
   virtual absl::Status Supported(const LayerConfig& config) const = 0;
   virtual uint64_t KvBytes(const LayerConfig& config) const = 0;
   virtual uint64_t WorkspaceBytes(const LayerConfig& config) const = 0;
+  // Of the workspace, what block-sparse routing takes (0 with sparse off): reported in the Plan.
+  virtual uint64_t RoutingBytes(const LayerConfig& config) const = 0;
   // Pool bytes for device copies of x, positions and the output (0 when the backend reads host
   // memory directly, as the CPU backend does).
   virtual uint64_t IoBytes(const LayerConfig& config, const TensorResidency& resident) const = 0;

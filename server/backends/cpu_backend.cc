@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "kernels/cpu/layer.h"
+#include "kernels/cpu/sparse_layer.h"
 #include "server/core/error_status.h"
 
 namespace kvpack::server {
@@ -17,6 +18,7 @@ class CpuBackend final : public Backend {
   absl::Status Supported(const LayerConfig& config) const override { return ToStatus(cpu::Supported(config)); }
   uint64_t KvBytes(const LayerConfig& config) const override { return cpu::KvBytes(config); }
   uint64_t WorkspaceBytes(const LayerConfig& config) const override { return cpu::WorkspaceBytes(config); }
+  uint64_t RoutingBytes(const LayerConfig& config) const override { return cpu::RoutingBytes(config); }
   uint64_t IoBytes(const LayerConfig&, const TensorResidency&) const override { return 0; }
 
   absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,

@@ -165,6 +165,7 @@ class CudaBackend final : public Backend {
   }
   uint64_t KvBytes(const LayerConfig& config) const override { return cuda::KvBytes(config); }
   uint64_t WorkspaceBytes(const LayerConfig& config) const override { return cuda::WorkspaceBytes(config); }
+  uint64_t RoutingBytes(const LayerConfig& config) const override { return cuda::RoutingBytes(config); }
 
   // Device copies of x (read by the projection and overwritten in place), RoPE positions and, when
   // not in place, the output.

@@ -262,6 +262,7 @@ absl::StatusOr<LayerPlan> PlanLayer(const LayerRequest& original, uint64_t capac
   plan.io_bytes = chosen.io;
   plan.peak_bytes = chosen.peak();
   plan.config = MakeLayerConfig(request, formats, chunk, chunk);
+  if (costs.routing_bytes) plan.routing_bytes = costs.routing_bytes(plan.config);
   return plan;
 }
 

@@ -33,6 +33,7 @@ struct PlannerCosts {
   std::function<uint64_t(const LayerConfig&)> kv_bytes;
   std::function<uint64_t(const LayerConfig&)> workspace_bytes;
   std::function<uint64_t(const LayerConfig&, const TensorResidency&)> io_bytes;  // null: 0
+  std::function<uint64_t(const LayerConfig&)> routing_bytes;  // part of workspace_bytes; null: 0
 };
 
 struct RangePlan {
@@ -49,6 +50,7 @@ struct LayerPlan {
   uint64_t kv_bytes = 0;         // pool-rounded
   uint64_t workspace_bytes = 0;  // pool-rounded
   uint64_t io_bytes = 0;         // pool-rounded
+  uint64_t routing_bytes = 0;    // of workspace_bytes, block-sparse routing's (unrounded; 0 with sparse off)
   uint64_t peak_bytes = 0;       // the sum
   int downgrades = 0;
   uint64_t capacity_bytes = 0;

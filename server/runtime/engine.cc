@@ -85,6 +85,7 @@ PlannerCosts Engine::Costs() const {
   costs.kv_bytes = [b](const LayerConfig& c) { return b->KvBytes(c); };
   costs.workspace_bytes = [b](const LayerConfig& c) { return b->WorkspaceBytes(c); };
   costs.io_bytes = [b](const LayerConfig& c, const TensorResidency& r) { return b->IoBytes(c, r); };
+  costs.routing_bytes = [b](const LayerConfig& c) { return b->RoutingBytes(c); };
   return costs;
 }
 

@@ -280,7 +280,7 @@ void PlanToProto(const LayerPlan& plan, v1::PlanResult* out) {
   out->set_capacity_bytes(plan.capacity_bytes);
   if (plan.config.attention.sparse.enabled) {
     out->set_routed_fraction_bound(cpu::RoutedFractionBound(plan.config));
-    out->set_routing_bytes(cpu::RoutingBytes(plan.config));
+    out->set_routing_bytes(plan.routing_bytes);  // the backend's own (cpu/sparse_layer.h, cuda/sparse.h)
   }
 }
 

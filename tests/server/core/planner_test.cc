@@ -33,6 +33,24 @@ uint64_t KvAt(const LayerRequest& r, std::vector<PageFormat> f) {
   return PoolBytes(PlanKvLayout(r.shape, MakeLayerConfig(r, f, 64, 64).ranges).total_bytes);
 }
 
+// PlanResult.routing_bytes is the backend's own figure for the chosen config (the CPU and CUDA
+// routing regions differ), asked once the chunks are chosen; no backend figure, no bytes.
+TEST(Planner, RoutingBytesComeFromTheBackendForTheChosenChunk) {
+  PlannerCosts costs = TestCosts();
+  int64_t asked_chunk = 0;
+  costs.routing_bytes = [&](const LayerConfig& c) {
+    asked_chunk = c.query_chunk;
+    return static_cast<uint64_t>(c.query_chunk) * 3 + 7;
+  };
+  absl::StatusOr<LayerPlan> p = PlanLayer(ThreeRanges(), 1ull << 40, costs);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(asked_chunk, p->query_chunk);
+  EXPECT_EQ(p->routing_bytes, static_cast<uint64_t>(p->query_chunk) * 3 + 7);
+  p = PlanLayer(ThreeRanges(), 1ull << 40, TestCosts());
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->routing_bytes, 0u);
+}
+
 TEST(Planner, BestFormatsAndLargestChunkWhenRoomy) {
   absl::StatusOr<LayerPlan> p = PlanLayer(ThreeRanges(), 1ull << 40, TestCosts());
   ASSERT_TRUE(p.ok()) << p.status();

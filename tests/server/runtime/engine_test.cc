@@ -31,6 +31,7 @@ class FakeDeviceBackend final : public Backend {
   absl::Status Supported(const LayerConfig& c) const override { return cpu_->Supported(c); }
   uint64_t KvBytes(const LayerConfig& c) const override { return cpu_->KvBytes(c); }
   uint64_t WorkspaceBytes(const LayerConfig& c) const override { return cpu_->WorkspaceBytes(c); }
+  uint64_t RoutingBytes(const LayerConfig& c) const override { return cpu_->RoutingBytes(c); }
   uint64_t IoBytes(const LayerConfig& c, const TensorResidency& r) const override { return HostStagingBytes(c, r); }
   absl::Status ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* ws,
                          const ChunkGate& gate) override {
