@@ -28,4 +28,11 @@ int64_t SparseChunkEnd(const LayerConfig& config, const std::vector<PageDesc>& p
   return static_cast<int64_t>(it->token_begin) + it->n_valid;
 }
 
+int SparseRouteSharedBytes(int64_t n_pages) {
+  int64_t sort = 1;
+  while (sort < n_pages) sort <<= 1;
+  const int64_t bytes = sort * 8 + (n_pages + 15) / 16 * 16;
+  return bytes > (int64_t{1} << 30) ? (1 << 30) : static_cast<int>(bytes);
+}
+
 }  // namespace kvpack

@@ -24,7 +24,6 @@ int SortSize(int n_pages) {
   while (n < n_pages) n <<= 1;
   return n;
 }
-int RouteSmemBytes(int n_pages) { return SortSize(n_pages) * 8 + (n_pages + 15) / 16 * 16; }
 
 // ── Statistics ──────────────────────────────────────────────────────────────────────────────────
 // Channel c of row `slot` of a page, decoded as the codec's DecodeRow does (same float operations).
@@ -355,7 +354,7 @@ Error LaunchRoutePages(const SparseChunk& chunk, cudaStream_t stream) {
     return Unsupported("sparse attention: head_dim must be 64 or 128");
   }
   KVPACK_CUDA_RETURN_LAUNCH("sparse scores");
-  const int smem = RouteSmemBytes(P);
+  const int smem = SparseRouteSharedBytes(P);
   KVPACK_CUDA_RETURN(cudaFuncSetAttribute(RoutePagesKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   RoutePagesKernel<<<dim3(blocks, H), kRouteThreads, smem, stream>>>(chunk, chunk.scores, SortSize(P));
   KVPACK_CUDA_RETURN_LAUNCH("sparse routing");

@@ -22,6 +22,7 @@
 #include "kernels/cuda/layer.h"
 #include "kernels/kernel_choice.h"
 #include "kernels/page_codec.h"
+#include "kernels/sparse_plan.h"
 #include "server/backends/vmm_arena.h"
 #include "server/core/error_status.h"
 
@@ -160,8 +161,25 @@ class CudaBackend final : public Backend {
     DeviceCaps caps;
     AttentionKernelChoice choice;
     if (Error e = cuda::DeviceCapsOf(options_.device, &caps); !e.ok()) return ToStatus(e);
-    return ToStatus(
-        ChooseAttentionKernel(caps, config.shape.head_dim, max_page_bytes, options_.attention_kernel, &choice));
+    if (absl::Status s = ToStatus(
+            ChooseAttentionKernel(caps, config.shape.head_dim, max_page_bytes, options_.attention_kernel, &choice));
+        !s.ok()) {
+      return s;
+    }
+    // Sparse: its attention kernels need no more shared memory than the dense one chosen above (one
+    // query block of 64 rows instead of 128), but the routing kernel's sort grows with the pages.
+    if (config.attention.sparse.enabled) {
+      const int64_t pages = SparsePageCount(config);
+      const int route = SparseRouteSharedBytes(pages);
+      if (route > caps.smem_per_block_optin) {
+        return ToStatus(Error(ErrorCode::kUnsupported,
+                              "options.attention.sparse: routing " + std::to_string(pages) + " pages sorts " +
+                                  std::to_string(route) + " bytes of shared memory per block; " +
+                                  ComputeCapabilityName(caps) + " allows " + std::to_string(caps.smem_per_block_optin) +
+                                  " (split the sequence or attend densely)"));
+      }
+    }
+    return absl::OkStatus();
   }
   uint64_t KvBytes(const LayerConfig& config) const override { return cuda::KvBytes(config); }
   uint64_t WorkspaceBytes(const LayerConfig& config) const override { return cuda::WorkspaceBytes(config); }

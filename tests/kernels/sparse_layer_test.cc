@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels/sparse_plan.h"
 #include "tests/kernels/cpu_test_layer.h"
 
 namespace kvpack::cpu::testing {
@@ -101,6 +102,18 @@ TEST(SparseLayer, SupportedNamesTheSparseField) {
   L.config.attention.sparse.topk_ratio = 2.0f;
   EXPECT_NE(Supported(L.config).message().find("attention.sparse.topk_ratio"), std::string::npos);
   EXPECT_EQ(WorkspaceBytes(L.config), 0u);
+}
+
+// The GPU routing kernel's shared memory (sparse_plan.h), the figure the CUDA backend checks against
+// a GPU's per-block limit: H3's 2,379 pages sort 4,096 keys; a 99 KB consumer GPU (101,376 bytes
+// per block) routes 8,192 pages and refuses 8,193.
+TEST(SparsePlan, RouteSharedBytesBoundTheEntryPerGpu) {
+  constexpr int kConsumerBlockBytes = 101376;
+  EXPECT_EQ(SparseRouteSharedBytes(1), 8 + 16);
+  EXPECT_EQ(SparseRouteSharedBytes(2379), 4096 * 8 + 2384);
+  EXPECT_LE(SparseRouteSharedBytes(8192), kConsumerBlockBytes);
+  EXPECT_GT(SparseRouteSharedBytes(8193), kConsumerBlockBytes);
+  EXPECT_EQ(SparseRouteSharedBytes(int64_t{1} << 40), 1 << 30);  // clamped, never wraps
 }
 
 }  // namespace
