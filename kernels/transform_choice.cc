@@ -4,82 +4,38 @@
 #include <cmath>
 
 #include "kernels/rotation.h"
+#include "kernels/transform_select.h"
 
 namespace kvpack {
 namespace {
-
-// How much lower than the options' full set another set's estimate must be to replace it. The
-// estimate of 32 queries lands within 0.8–1.3× of the measured error (docs/quality.md); without a
-// margin the choice followed that noise on data where every transform helps (the 5-seed table of
-// docs/quality.md lost 2–6% of its gains), while on sink heads the chosen set is several times
-// better and clears it easily.
-constexpr double kChoiceMargin = 1.25;
-
-// One candidate set of the head's transforms (transform_choice.h).
-struct Candidate {
-  bool smooth_k = false;
-  bool balance_k = false;
-  int v_smooth_halves = 0;  // μ_v scaled by v_smooth_halves / 2: 0 none, 1 partial, 2 full
-  bool balance_v = false;
-
-  uint32_t Flags() const {
-    return (smooth_k ? kHeadSmoothK : 0u) | (balance_k ? kHeadBalanceK : 0u) |
-           (v_smooth_halves == 2 ? kHeadSmoothV : 0u) | (v_smooth_halves == 1 ? kHeadSmoothVHalf : 0u) |
-           (balance_v ? kHeadBalanceV : 0u);
-  }
-};
 
 // The rows a candidate stores with, derived from the full tables (every allowed transform on).
 struct CandidateRows {
   std::vector<float> mu_k, lambda, mu_v, lambda_v;
 };
 
-CandidateRows RowsOf(const Candidate& c, const HeadTables& full, int d) {
+CandidateRows RowsOf(const ChoiceCandidate& c, const HeadTables& full, int d) {
   CandidateRows r;
-  r.mu_k.assign(d, 0.0f);
-  r.lambda.assign(d, 1.0f);
-  r.mu_v.assign(d, 0.0f);
-  r.lambda_v.assign(d, 1.0f);
-  const float alpha = 0.5f * static_cast<float>(c.v_smooth_halves);  // 0, 0.5 or 1: exact in float
+  r.mu_k.resize(d);
+  r.lambda.resize(d);
+  r.mu_v.resize(d);
+  r.lambda_v.resize(d);
   for (int i = 0; i < d; ++i) {
-    if (c.smooth_k) r.mu_k[i] = full.mu_k[i];
-    if (c.balance_k) r.lambda[i] = full.lambda[i];
-    r.mu_v[i] = alpha * full.mu_v[i];
-    if (c.balance_v) r.lambda_v[i] = full.lambda_v[i];
+    r.mu_k[i] = c.MuK(full.mu_k, i);
+    r.lambda[i] = c.Lambda(full.lambda, i);
+    r.mu_v[i] = c.MuV(full.mu_v, i);
+    r.lambda_v[i] = c.LambdaV(full.lambda_v, i);
   }
   return r;
 }
 
-// Rows through their stored form and back to the stored space: x = R·((row − μ)/λ), then encoded
-// and decoded in the row's format (`format_override` for all rows when not null). As ToStoredK/V
-// and EncodePageRow compute it, in float.
+// Rows through their stored form (StoredRowOf), each in its own format or all in `format_override`.
 std::vector<float> StoredRows(const float* rows, int64_t n, int d, const float* mu, const float* lambda, bool rotate,
                               uint64_t seed, const PageFormat* formats, const PageFormat* format_override) {
   std::vector<float> out(static_cast<size_t>(n) * d);
-  float x[kMaxHeadDimCpu];
-  uint8_t codes[2 * kMaxHeadDimCpu];
   for (int64_t j = 0; j < n; ++j) {
-    const float* row = rows + j * d;
-    for (int c = 0; c < d; ++c) x[c] = (row[c] - mu[c]) / lambda[c];
-    if (rotate) RotateForward(x, d, seed);
-    float* o = out.data() + j * d;
-    switch (format_override ? *format_override : formats[j]) {
-      case PageFormat::kInt4: {
-        Int4RowMeta m;
-        EncodeRowInt4(x, d, codes, &m);
-        DecodeRowInt4(codes, m, d, o);
-        break;
-      }
-      case PageFormat::kInt8: {
-        Int8RowMeta m;
-        EncodeRowInt8(x, d, reinterpret_cast<int8_t*>(codes), &m);
-        DecodeRowInt8(reinterpret_cast<const int8_t*>(codes), m, d, o);
-        break;
-      }
-      case PageFormat::kBf16:
-        for (int c = 0; c < d; ++c) o[c] = Bf16ToFloat(FloatToBf16(x[c]));
-        break;
-    }
+    StoredRowOf(rows + j * d, d, mu, lambda, rotate, seed, format_override ? *format_override : formats[j],
+                out.data() + j * d);
   }
   return out;
 }
@@ -107,7 +63,7 @@ std::vector<double> Probabilities(const float* q, int64_t n_q, const float* k, i
       mx = std::max(mx, row[j]);
     }
     double sum = 0.0;
-    for (int64_t j = 0; j < n_k; ++j) sum += (row[j] = std::exp(row[j] - mx));
+    for (int64_t j = 0; j < n_k; ++j) sum += (row[j] = ChoiceExp(row[j] - mx));
     for (int64_t j = 0; j < n_k; ++j) row[j] /= sum;
   }
   return p;
@@ -127,17 +83,9 @@ ErrorSums OutputError(const std::vector<double>& p, int64_t n_q, const float* v,
       for (int c = 0; c < d; ++c) acc[c] += pj * v[j * d + c];
     }
     for (int c = 0; c < d; ++c) o[c] = static_cast<float>(acc[c]);
-    if (rotate) RotateInverse(o, d, seed);
     double err = 0.0, norm = 0.0;
-    for (int c = 0; c < d; ++c) {
-      const double out = static_cast<double>(o[c]) * lambda_v[c] + mu[c];
-      const double r = ref[i * d + c];
-      err += (out - r) * (out - r);
-      norm += r * r;
-    }
-    e.err += err;
-    e.ref += norm;
-    e.query_rel += norm > 0.0 ? err / norm : err;
+    QueryErrorOf(o, d, mu, lambda_v, rotate, seed, ref.data() + i * d, &err, &norm);
+    AddQueryError(err, norm, &e);
   }
   return e;
 }
@@ -151,7 +99,7 @@ class HeadEstimator {
  public:
   HeadEstimator(const HeadSample& s, const TransformOptions& t, float softmax_scale, const HeadTables& full)
       : s_(s), t_(t), d_(s.head_dim), full_(full), zeros_(s.head_dim, 0.0f), ones_(s.head_dim, 1.0f) {
-    scale_ = softmax_scale > 0.0f ? softmax_scale : 1.0 / std::sqrt(static_cast<double>(d_));
+    scale_ = EstimateSoftmaxScale(softmax_scale, d_);
     p_ref_ = Probabilities(s.q, s.n_queries, s.k, s.n_keys, d_, scale_);
     ref_.assign(static_cast<size_t>(s.n_queries) * d_, 0.0);
     for (int64_t i = 0; i < s.n_queries; ++i) {
@@ -167,13 +115,20 @@ class HeadEstimator {
     }
   }
 
-  // Errors of candidate sets (cached sides); `format` null: each key in its own range's format.
-  ErrorSums KOnlyError(const Candidate& c) {
+  // The evaluator of SelectHeadTransforms (transform_select.h); f = −1: each key in its own range's
+  // format, else every key in PageFormat f.
+  ErrorSums KOnly(const ChoiceCandidate& c) {
     return OutputError(KProbabilities(c, nullptr), s_.n_queries, s_.v, s_.n_keys, d_, zeros_.data(), ones_.data(),
                        false, 0, ref_);
   }
-  ErrorSums VOnlyError(const Candidate& c) { return VError(p_ref_, c, nullptr); }
-  ErrorSums Both(const Candidate& c, const PageFormat* format) { return VError(KProbabilities(c, format), c, format); }
+  ErrorSums VOnly(const ChoiceCandidate& c) { return VError(p_ref_, c, nullptr); }
+  ErrorSums Both(const ChoiceCandidate& c, int f) {
+    const PageFormat format = static_cast<PageFormat>(f < 0 ? 0 : f);
+    return Both(c, f < 0 ? nullptr : &format);
+  }
+  ErrorSums Both(const ChoiceCandidate& c, const PageFormat* format) {
+    return VError(KProbabilities(c, format), c, format);
+  }
 
   // Any rows (EstimateHeadError), nothing cached.
   ErrorSums BothOfRows(const CandidateRows& rows, const PageFormat* format) const {
@@ -195,23 +150,20 @@ class HeadEstimator {
     if (format == nullptr || static_cast<int>(*format) == uniform_) return 0;
     return 1 + static_cast<int>(*format);
   }
-  static int KSide(const Candidate& c) { return (c.smooth_k ? 1 : 0) | (c.balance_k ? 2 : 0); }
-  static int VSide(const Candidate& c) { return c.v_smooth_halves * 2 + (c.balance_v ? 1 : 0); }
+  static int KSide(const ChoiceCandidate& c) { return (c.smooth_k ? 1 : 0) | (c.balance_k ? 2 : 0); }
+  static int VSide(const ChoiceCandidate& c) { return c.v_smooth_halves * 2 + (c.balance_v ? 1 : 0); }
 
   // q as the layer stores it: ⊙ λ, R, bf16.
   std::vector<float> StoredQueries(const CandidateRows& rows) const {
     std::vector<float> q(static_cast<size_t>(s_.n_queries) * d_);
     for (int64_t i = 0; i < s_.n_queries; ++i) {
-      float* x = q.data() + i * d_;
-      for (int c = 0; c < d_; ++c) x[c] = s_.q[i * d_ + c] * rows.lambda[c];
-      if (t_.rotate) RotateForward(x, d_, t_.seed);
-      for (int c = 0; c < d_; ++c) x[c] = Bf16ToFloat(FloatToBf16(x[c]));
+      StoredQueryOf(s_.q + i * d_, d_, rows.lambda.data(), t_.rotate, t_.seed, q.data() + i * d_);
     }
     return q;
   }
 
   // Probabilities through the candidate's K side.
-  const std::vector<double>& KProbabilities(const Candidate& c, const PageFormat* format) {
+  const std::vector<double>& KProbabilities(const ChoiceCandidate& c, const PageFormat* format) {
     std::vector<double>& p = k_probs_[KSide(c)][FormatKey(format)];
     if (p.empty()) {
       const CandidateRows rows = RowsOf(c, full_, d_);
@@ -222,7 +174,7 @@ class HeadEstimator {
     return p;
   }
 
-  ErrorSums VError(const std::vector<double>& p, const Candidate& c, const PageFormat* format) {
+  ErrorSums VError(const std::vector<double>& p, const ChoiceCandidate& c, const PageFormat* format) {
     const CandidateRows rows = RowsOf(c, full_, d_);
     std::vector<float>& v = stored_v_[VSide(c)][FormatKey(format)];
     if (v.empty()) {
@@ -247,13 +199,6 @@ class HeadEstimator {
 
 bool HasQueries(const HeadSample& s) { return s.q != nullptr && s.n_queries > 0 && s.n_keys > 0; }
 
-void FillByFormat(HeadEstimator& est, const Candidate& c, HeadChoice* choice) {
-  for (int f = 0; f < kNumPageFormats; ++f) {
-    const PageFormat format = static_cast<PageFormat>(f);
-    choice->by_format[f] = est.Both(c, &format);
-  }
-}
-
 void WriteRows(const CandidateRows& rows, const HeadTables& tables) {
   std::copy(rows.mu_k.begin(), rows.mu_k.end(), tables.mu_k);
   std::copy(rows.lambda.begin(), rows.lambda.end(), tables.lambda);
@@ -277,67 +222,24 @@ double EstimatedRelError(const float* head_estimates, int n_heads, PageFormat fo
   return ref > 0.0 ? std::sqrt(err / ref) : 0.0;
 }
 
-uint32_t FixedHeadFlags(const TransformOptions& t) {
-  return (t.smooth ? kHeadSmoothK | kHeadSmoothV : 0u) | (t.balance ? kHeadBalanceK | kHeadBalanceV : 0u);
-}
+uint32_t FixedHeadFlags(const TransformOptions& t) { return FixedFlagsOf(t); }
 
 HeadChoice ChooseHeadTransforms(const HeadSample& sample, const TransformOptions& transforms, float softmax_scale,
                                 const HeadTables& tables) {
-  const int d = sample.head_dim;
   HeadChoice choice;
   choice.flags = FixedHeadFlags(transforms);
   if (!HasQueries(sample)) return choice;
   HeadEstimator est(sample, transforms, softmax_scale, tables);
-  const Candidate naive;
-  Candidate fixed;
-  fixed.smooth_k = transforms.smooth;
-  fixed.balance_k = transforms.balance;
-  fixed.v_smooth_halves = transforms.smooth ? 2 : 0;
-  fixed.balance_v = transforms.balance;
-  choice.naive = est.Both(naive, nullptr);
   if (!transforms.choose_per_head) {
-    choice.chosen = est.Both(fixed, nullptr);
-    FillByFormat(est, fixed, &choice);
+    const ChoiceCandidate fixed = FixedCandidate(transforms);
+    choice.naive = est.Both(ChoiceCandidate{}, -1);
+    choice.chosen = est.Both(fixed, -1);
+    for (int f = 0; f < kNumPageFormats; ++f) choice.by_format[f] = est.Both(fixed, f);
     return choice;
   }
-
-  // K side with exact V, V side with exact probabilities; candidates in a fixed order, the first
-  // of equal estimates kept.
-  Candidate best = naive;
-  double best_k = HUGE_VAL, best_v = HUGE_VAL;
-  for (int k = 0; k < 3; ++k) {
-    Candidate c;
-    c.smooth_k = k >= 1;
-    c.balance_k = k == 2;
-    if ((c.smooth_k && !transforms.smooth) || (c.balance_k && !transforms.balance)) continue;
-    const double e = est.KOnlyError(c).query_rel;
-    if (e < best_k) best_k = e, best.smooth_k = c.smooth_k, best.balance_k = c.balance_k;
-  }
-  for (int halves = 0; halves <= 2; ++halves) {
-    for (int bal = 0; bal <= 1; ++bal) {
-      Candidate c;
-      c.v_smooth_halves = halves;
-      c.balance_v = bal == 1;
-      if ((halves > 0 && !transforms.smooth) || (c.balance_v && !transforms.balance)) continue;
-      const double e = est.VOnlyError(c).query_rel;
-      if (e < best_v) best_v = e, best.v_smooth_halves = halves, best.balance_v = c.balance_v;
-    }
-  }
-
-  // The options' set against naive, then the best pair against the one kept: naive first so that
-  // an equal estimate never displaces it; the pair must beat the options' set by kChoiceMargin.
-  Candidate kept = naive;
-  choice.chosen = choice.naive;
-  const ErrorSums fixed_error = est.Both(fixed, nullptr);
-  const bool fixed_kept = fixed_error.query_rel < choice.chosen.query_rel;
-  if (fixed_kept) choice.chosen = fixed_error, kept = fixed;
-  if (best.Flags() != fixed.Flags() && best.Flags() != naive.Flags()) {
-    const ErrorSums e = est.Both(best, nullptr);
-    if (e.query_rel * (fixed_kept ? kChoiceMargin : 1.0) < choice.chosen.query_rel) choice.chosen = e, kept = best;
-  }
-  FillByFormat(est, kept, &choice);
-  WriteRows(RowsOf(kept, tables, d), tables);
-  choice.flags = kept.Flags() | kHeadChosen;
+  ChoiceCandidate kept;
+  choice = SelectHeadTransforms(est, transforms, &kept);
+  WriteRows(RowsOf(kept, tables, sample.head_dim), tables);
   return choice;
 }
 

@@ -8,6 +8,7 @@
 #include "kernels/cpu/stats.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/transform_choice.h"
+#include "kernels/transform_select.h"
 
 namespace kvpack::cuda {
 namespace {
@@ -18,7 +19,8 @@ uint64_t AlignUp(uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 // Pieces of the choice's scratch, byte offsets from its start.
 struct ChoiceScratch {
   int64_t n_sample = 0, n_keys = 0, n_queries = 0;
-  uint64_t key_index = 0, query_token = 0, gathered = 0, projected = 0, queries = 0, keys = 0, end = 0;
+  uint64_t key_index = 0, query_token = 0, gathered = 0, projected = 0, queries = 0, keys = 0, formats = 0;
+  uint64_t estimate = 0, end = 0;
 };
 
 ChoiceScratch PlanChoiceScratch(const LayerConfig& c) {
@@ -34,7 +36,11 @@ ChoiceScratch PlanChoiceScratch(const LayerConfig& c) {
   p.projected = AlignUp(p.gathered + (gemm ? nq * c.shape.hidden * 2 : 0));
   p.queries = AlignUp(p.projected + (gemm ? nq * hd * 2 : 0));
   p.keys = AlignUp(p.queries + nq * hd * sizeof(float));
-  p.end = AlignUp(p.keys + p.n_keys * 2 * hd * sizeof(float));
+  p.formats = AlignUp(p.keys + p.n_keys * 2 * hd * sizeof(float));
+  p.estimate = AlignUp(p.formats + p.n_keys);
+  p.end = AlignUp(p.estimate + static_cast<uint64_t>(c.shape.n_heads) *
+                                   HeadEstimateBytes(static_cast<int>(p.n_queries), static_cast<int>(p.n_keys),
+                                                     c.shape.head_dim));
   return p;
 }
 
@@ -106,8 +112,8 @@ Error ChooseHeadTransformsFromDevice(const LayerConfig& c, const LayerTensors& t
 
   // ── 2. Queries: projected here (x + W) or the caller's rows, then bias / QK-norm / RoPE ────────
   RowEpilogueParams p = base;
-  // Its own GEMM object (the layer's keeps the algorithm of the K/V shapes), alive until the
-  // synchronisation below.
+  // Its own GEMM object (the layer's keeps the algorithm of the K/V shapes); cuBLASLt has taken what
+  // it needs from the descriptors when Run returns.
   BlasGemm gemm(blas, blas_workspace);
   if (c.projected.enabled) {
     p.given[0] = t.q, p.given_layout = c.projected;
@@ -127,36 +133,35 @@ Error ChooseHeadTransformsFromDevice(const LayerConfig& c, const LayerTensors& t
   p.out_float = d_queries;
   KVPACK_RETURN_IF_ERROR(LaunchRowEpilogue(RowMode::kQuerySample, p, stream));
 
-  // ── 3. To the host ────────────────────────────────────────────────────────────────────────────
-  std::vector<float> keys(static_cast<size_t>(sp.n_keys) * 2 * hd), queries(static_cast<size_t>(sp.n_queries) * hd);
-  KvStats stats;
-  std::vector<float>* tables[4] = {&stats.mu_k, &stats.mu_v, &stats.lambda, &stats.lambda_v};
-  const uint64_t offsets[4] = {layout.mu_k_offset, layout.mu_v_offset, layout.lambda_offset, layout.lambda_v_offset};
-  KVPACK_CUDA_RETURN(cudaMemcpyAsync(keys.data(), d_keys, keys.size() * sizeof(float), cudaMemcpyDeviceToHost, stream));
-  KVPACK_CUDA_RETURN(
-      cudaMemcpyAsync(queries.data(), d_queries, queries.size() * sizeof(float), cudaMemcpyDeviceToHost, stream));
-  for (int i = 0; i < 4; ++i) {
-    tables[i]->resize(hd);
-    KVPACK_CUDA_RETURN(
-        cudaMemcpyAsync(tables[i]->data(), kv + offsets[i], hd * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  // ── 3–5. The choice on the device (head_estimate.cu): the decision of ChooseHeadTransforms on
+  // the same rows, written into the entry; nothing comes back to the host, nothing synchronises ──
+  const cpu::TokenPageMap ranges(c.ranges);
+  std::vector<uint8_t> formats(rows.key_index.size());
+  for (size_t j = 0; j < formats.size(); ++j) {
+    const int64_t token = cpu::StatsSampleToken(rows.key_index[j], c.shape.n_tokens, rows.n_sample);
+    formats[j] = static_cast<uint8_t>(c.ranges[ranges.RangeOf(token)].format);
   }
-  KVPACK_CUDA_RETURN(cudaStreamSynchronize(stream));
-
-  // ── 4. The choice: the CPU layer's driver, asked for the same sample indices ──────────────────
-  const cpu::TransformRecord record = ChooseFromEstimateSample(c, rows, keys.data(), queries.data(), &stats);
-
-  // ── 5. The chosen tables and the record into the entry ────────────────────────────────────────
-  // Pageable sources: each copy has read its source when cudaMemcpyAsync returns.
-  for (int i = 0; i < 4; ++i) {
-    KVPACK_CUDA_RETURN(
-        cudaMemcpyAsync(kv + offsets[i], tables[i]->data(), hd * sizeof(float), cudaMemcpyHostToDevice, stream));
-  }
-  std::vector<uint8_t> bytes(layout.total_bytes - layout.head_flags_offset, 0);
-  std::memcpy(bytes.data(), record.head_flags.data(), record.head_flags.size() * sizeof(uint32_t));
-  std::memcpy(bytes.data() + (layout.head_estimates_offset - layout.head_flags_offset), record.head_estimates.data(),
-              record.head_estimates.size() * sizeof(float));
-  KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.head_flags_offset, bytes.data(), bytes.size(), cudaMemcpyHostToDevice,
+  uint8_t* d_formats = scratch + sp.formats;
+  KVPACK_CUDA_RETURN(cudaMemcpyAsync(d_formats, formats.data(), formats.size(), cudaMemcpyHostToDevice, stream));
+  // The record's bytes (flags, estimates, padding) start from zero, as the host layer writes them.
+  KVPACK_CUDA_RETURN(cudaMemsetAsync(kv + layout.head_flags_offset, 0, layout.total_bytes - layout.head_flags_offset,
                                      stream));
+  HeadEstimateArgs a;
+  a.queries = d_queries, a.q_stride = hd;
+  a.keys = d_keys, a.kv_stride = 2 * hd;
+  a.formats = d_formats;
+  a.n_q = static_cast<int>(sp.n_queries), a.n_k = static_cast<int>(sp.n_keys), a.d = c.shape.head_dim;
+  a.scale = EstimateSoftmaxScale(c.attention.softmax_scale, c.shape.head_dim);
+  a.rotate = c.transforms.rotate, a.seed = c.transforms.seed;
+  a.transforms = c.transforms;
+  a.kv = kv;
+  a.mu_k_offset = layout.mu_k_offset, a.mu_v_offset = layout.mu_v_offset;
+  a.lambda_offset = layout.lambda_offset, a.lambda_v_offset = layout.lambda_v_offset;
+  a.head_flags_offset = layout.head_flags_offset, a.head_estimates_offset = layout.head_estimates_offset;
+  a.scratch = scratch + sp.estimate;
+  KVPACK_RETURN_IF_ERROR(LaunchHeadEstimate(a, c.shape.n_heads, stream));
+  // Pageable sources: the copies above have read them when cudaMemcpyAsync returned; the GEMM object's
+  // work is queued (its destructor frees nothing the stream still reads).
   return Error::Ok();
 }
 

@@ -20,9 +20,11 @@
 #include <vector>
 
 #include "kernels/cpu/layer.h"
+#include "kernels/cpu/pack.h"
 #include "kernels/cpu/quality.h"
 #include "kernels/cuda/layer.h"
 #include "kernels/transform_choice.h"
+#include "kernels/transform_select.h"
 #include "tests/kernels/cuda_test_layer.h"
 
 namespace kvpack::cuda {
@@ -294,6 +296,99 @@ TEST(CudaHeadChoice, HostHalfOnTheCpuRowsIsTheCpuLayersChoice) {
   int chosen_differently = 0;  // the sink heads must not keep the options' full set (flags 0x1b)
   for (int h = 0; h < kHeads; ++h) chosen_differently += (record.head_flags[h] & 0xff) != FixedHeadFlags(cfg.transforms);
   EXPECT_GE(chosen_differently, kHeads / 2);
+}
+
+// The device decision (head_estimate.cu, LaunchHeadEstimate) on the very rows the host half gets:
+// flags, estimates and chosen tables equal to ChooseFromEstimateSample's bit for bit. At d = 64 over
+// two ranges of two formats (each key's own format looked up), and at d = 128 with 56 heads (H3's
+// head count: the figure printed is the kernel's time for a whole layer's choice).
+void RunDeviceEstimateCase(int heads, int dim, bool two_formats) {
+  constexpr int64_t kTokens = 2048;
+  const Qkv in = SinkData(kTokens, heads, dim);
+  LayerConfig cfg = SinkConfig(kTokens, heads, dim, PageFormat::kInt4, true);
+  if (two_formats) cfg.ranges = {{0, 1000, 0, PageFormat::kInt4}, {1000, kTokens, 0, PageFormat::kInt8}};
+  const EstimateSampleRows rows = PlanEstimateSample(cfg);
+  const int64_t hd = cfg.shape.HeadCols();
+  std::vector<float> keys(rows.key_index.size() * 2 * hd), queries(rows.query_token.size() * hd);
+  std::vector<uint8_t> formats(rows.key_index.size());
+  const cpu::TokenPageMap ranges(cfg.ranges);
+  for (size_t j = 0; j < rows.key_index.size(); ++j) {
+    const int64_t token = cpu::StatsSampleToken(rows.key_index[j], kTokens, rows.n_sample);
+    std::copy(&in.kf[token * hd], &in.kf[token * hd] + hd, &keys[j * 2 * hd]);
+    std::copy(&in.vf[token * hd], &in.vf[token * hd] + hd, &keys[j * 2 * hd + hd]);
+    formats[j] = static_cast<uint8_t>(cfg.ranges[ranges.RangeOf(token)].format);
+  }
+  for (size_t i = 0; i < rows.query_token.size(); ++i) {
+    std::copy(&in.qf[rows.query_token[i] * hd], &in.qf[rows.query_token[i] * hd] + hd, &queries[i * hd]);
+  }
+  const KvStats full = cpu::ComputeStats(in.kf.data(), in.vf.data(), cfg.shape, cfg.transforms);
+  KvStats host_stats = full;
+  const cpu::TransformRecord host = ChooseFromEstimateSample(cfg, rows, keys.data(), queries.data(), &host_stats);
+
+  const KvLayout layout = PlanKvLayout(cfg.shape, cfg.ranges);
+  std::vector<uint8_t> block(layout.total_bytes, 0);
+  const std::vector<float>* tables[4] = {&full.mu_k, &full.mu_v, &full.lambda, &full.lambda_v};
+  const std::vector<float>* chosen[4] = {&host_stats.mu_k, &host_stats.mu_v, &host_stats.lambda, &host_stats.lambda_v};
+  const uint64_t offsets[4] = {layout.mu_k_offset, layout.mu_v_offset, layout.lambda_offset, layout.lambda_v_offset};
+  for (int i = 0; i < 4; ++i) std::memcpy(block.data() + offsets[i], tables[i]->data(), hd * 4);
+  const int n_q = static_cast<int>(queries.size() / hd), n_k = static_cast<int>(formats.size());
+  DeviceBuffer d_keys(keys.size() * 4), d_queries(queries.size() * 4), d_formats(formats.size()),
+      d_kv(block.size()), d_scratch(heads * HeadEstimateBytes(n_q, n_k, dim));
+  ASSERT_CUDA(cudaMemcpy(d_keys.as<void>(), keys.data(), keys.size() * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(d_queries.as<void>(), queries.data(), queries.size() * 4, cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(d_formats.as<void>(), formats.data(), formats.size(), cudaMemcpyHostToDevice));
+  ASSERT_CUDA(cudaMemcpy(d_kv.as<void>(), block.data(), block.size(), cudaMemcpyHostToDevice));
+  HeadEstimateArgs a;
+  a.queries = d_queries.as<float>(), a.q_stride = hd;
+  a.keys = d_keys.as<float>(), a.kv_stride = 2 * hd;
+  a.formats = d_formats.as<uint8_t>();
+  a.n_q = n_q, a.n_k = n_k, a.d = dim;
+  a.scale = EstimateSoftmaxScale(cfg.attention.softmax_scale, dim);
+  a.rotate = cfg.transforms.rotate, a.seed = cfg.transforms.seed, a.transforms = cfg.transforms;
+  a.kv = d_kv.as<uint8_t>();
+  a.mu_k_offset = layout.mu_k_offset, a.mu_v_offset = layout.mu_v_offset;
+  a.lambda_offset = layout.lambda_offset, a.lambda_v_offset = layout.lambda_v_offset;
+  a.head_flags_offset = layout.head_flags_offset, a.head_estimates_offset = layout.head_estimates_offset;
+  a.scratch = d_scratch.as<uint8_t>();
+  cudaEvent_t start, stop;
+  ASSERT_CUDA(cudaEventCreate(&start));
+  ASSERT_CUDA(cudaEventCreate(&stop));
+  ASSERT_CUDA(cudaEventRecord(start));
+  ASSERT_OK(LaunchHeadEstimate(a, heads, nullptr));
+  ASSERT_CUDA(cudaEventRecord(stop));
+  ASSERT_CUDA(cudaEventSynchronize(stop));
+  float ms = 0.0f;
+  ASSERT_CUDA(cudaEventElapsedTime(&ms, start, stop));
+  ASSERT_CUDA(cudaMemcpy(block.data(), d_kv.as<void>(), block.size(), cudaMemcpyDeviceToHost));
+
+  int flags_equal = 0, estimates_equal = 0, tables_equal = 0;
+  for (int h = 0; h < heads; ++h) {
+    flags_equal += std::memcmp(&host.head_flags[h], block.data() + layout.head_flags_offset + h * 4, 4) == 0;
+    estimates_equal += std::memcmp(&host.head_estimates[h * kHeadEstimateFields],
+                                   block.data() + layout.head_estimates_offset + h * kHeadEstimateFields * 4,
+                                   kHeadEstimateFields * 4) == 0;
+    int rows_equal = 0;
+    for (int i = 0; i < 4; ++i) {
+      rows_equal += std::memcmp(chosen[i]->data() + h * dim, block.data() + offsets[i] + h * dim * 4, dim * 4) == 0;
+    }
+    tables_equal += rows_equal == 4;
+  }
+  std::printf("[device estimate H=%d d=%d %s] kernel %.3f ms for the layer's heads\n", heads, dim,
+              two_formats ? "int4+int8" : "int4", ms);
+  bool ok = Check("heads whose flags equal the host's", flags_equal, ">=", heads);
+  ok &= Check("heads whose estimates equal the host's bit for bit", estimates_equal, ">=", heads);
+  ok &= Check("heads whose chosen table rows equal the host's bit for bit", tables_equal, ">=", heads);
+  EXPECT_TRUE(ok) << "a check above printed FAIL";
+}
+
+TEST(CudaHeadChoice, DeviceEstimateIsTheHostsBitForBitTwoFormats) {
+  SKIP_WITHOUT_GPU();
+  RunDeviceEstimateCase(8, 64, true);
+}
+
+TEST(CudaHeadChoice, DeviceEstimateIsTheHostsBitForBitD128FiftySixHeads) {
+  SKIP_WITHOUT_GPU();
+  RunDeviceEstimateCase(56, 128, false);
 }
 
 // What needs no GPU: when the layer chooses, and that the choice's sample has room in the workspace.

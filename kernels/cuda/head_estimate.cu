@@ -1,0 +1,251 @@
+// The per-head transform choice on the GPU (head_choice.h): one CTA per head runs the shared decision
+// (transform_select.h SelectHeadTransforms) with an evaluator whose sums run in the host evaluator's
+// order — one thread per sum, each sum sequential — through the same row functions (StoredRowOf,
+// StoredQueryOf, QueryErrorOf) and ChoiceExp. Built with --fmad=false (CMakeLists.txt): with
+// contraction a·b + c would round once instead of twice and the estimates would drift from the host's
+// by an ulp, which can flip a choice between near-equal candidates.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/head_choice.h"
+#include "kernels/transform_select.h"
+
+namespace kvpack::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxDim = 128;  // head_dim 64 or 128 on the GPU
+constexpr int kQPitch = kMaxDim + 1;
+
+// Channel rows in shared memory: the candidate's μ_k, λ, μ_v, λ_v, then zeros and ones.
+enum RowIndex { kMuK = 0, kLambda, kMuV, kLambdaV, kZeros, kOnes, kRowCount };
+
+// One head's evaluator: every method is called by all threads of the CTA and returns the same value
+// to each (through shared memory).
+struct DeviceEstimator {
+  HeadEstimateArgs a;
+  int head = 0;
+  float* rows = nullptr;     // shared [kRowCount][kMaxDim]
+  ErrorSums* result = nullptr;  // shared
+  double* row_max = nullptr;    // shared [n_q]
+  double* row_sum = nullptr;    // shared [n_q]
+  float* q_tile = nullptr;      // shared [n_q][kQPitch]
+  HeadEstimateScratch s;        // this head's global scratch
+
+  __device__ const float* Q() const { return a.queries + static_cast<int64_t>(head) * a.d; }
+  __device__ const float* K() const { return a.keys + static_cast<int64_t>(head) * a.d; }
+  __device__ const float* V() const { return a.keys + a.kv_stride / 2 + static_cast<int64_t>(head) * a.d; }
+  __device__ const float* Full(uint64_t offset) const {
+    return reinterpret_cast<const float*>(a.kv + offset) + static_cast<int64_t>(head) * a.d;
+  }
+  __device__ const float* Row(int r) const { return rows + r * kMaxDim; }
+
+  __device__ void SetRows(const ChoiceCandidate& c) {
+    __syncthreads();
+    const float* mu_k = Full(a.mu_k_offset);
+    const float* lambda = Full(a.lambda_offset);
+    const float* mu_v = Full(a.mu_v_offset);
+    const float* lambda_v = Full(a.lambda_v_offset);
+    for (int i = threadIdx.x; i < a.d; i += blockDim.x) {
+      rows[kMuK * kMaxDim + i] = c.MuK(mu_k, i);
+      rows[kLambda * kMaxDim + i] = c.Lambda(lambda, i);
+      rows[kMuV * kMaxDim + i] = c.MuV(mu_v, i);
+      rows[kLambdaV * kMaxDim + i] = c.LambdaV(lambda_v, i);
+    }
+    __syncthreads();
+  }
+
+  // Stored rows of K or V (source rows kv_stride apart) into out [n_k, d]; f < 0: each key's own format.
+  __device__ void StoredRows(const float* src, const float* mu, const float* lambda, int f, float* out) {
+    for (int j = threadIdx.x; j < a.n_k; j += blockDim.x) {
+      const PageFormat format = static_cast<PageFormat>(f < 0 ? a.formats[j] : f);
+      StoredRowOf(src + j * a.kv_stride, a.d, mu, lambda, a.rotate, a.seed, format, out + j * a.d);
+    }
+    __syncthreads();
+  }
+
+  // Softmax probabilities [n_q, n_k] of scale·q·k (queries q_stride apart, keys k_stride apart). The
+  // queries go to shared memory (pitch d + 1: lane i reads row i without bank conflicts); warp w takes
+  // keys w, w + 8, …, four at a time, lane i query i: each key row is one broadcast read per channel,
+  // and four independent sums hide the adds' latency. Each dot still runs over c in order.
+  __device__ void Probabilities(const float* q, int64_t q_stride, const float* k, int64_t k_stride, double* p) {
+    for (int idx = threadIdx.x; idx < a.n_q * a.d; idx += blockDim.x) {
+      q_tile[(idx / a.d) * kQPitch + idx % a.d] = q[(idx / a.d) * q_stride + idx % a.d];
+    }
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    constexpr int kWarps = kThreads / 32, kKeys = 4;
+    if (lane < a.n_q) {
+      const float* qi = q_tile + lane * kQPitch;
+      for (int j0 = warp * kKeys; j0 < a.n_k; j0 += kWarps * kKeys) {
+        const int keys = a.n_k - j0 < kKeys ? a.n_k - j0 : kKeys;
+        const float* kj[kKeys];
+        for (int u = 0; u < kKeys; ++u) kj[u] = k + (j0 + (u < keys ? u : 0)) * k_stride;
+        double dot[kKeys] = {0.0, 0.0, 0.0, 0.0};
+        for (int c = 0; c < a.d; ++c) {
+          const double qc = qi[c];
+#pragma unroll
+          for (int u = 0; u < kKeys; ++u) dot[u] += qc * kj[u][c];
+        }
+        for (int u = 0; u < keys; ++u) p[lane * a.n_k + j0 + u] = dot[u] * a.scale;
+      }
+    }
+    const int n = a.n_q * a.n_k;
+    __syncthreads();
+    for (int i = threadIdx.x; i < a.n_q; i += blockDim.x) {
+      double mx = -INFINITY;
+      for (int j = 0; j < a.n_k; ++j) mx = fmax(mx, p[i * a.n_k + j]);
+      row_max[i] = mx;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < n; idx += blockDim.x) p[idx] = ChoiceExp(p[idx] - row_max[idx / a.n_k]);
+    __syncthreads();
+    for (int i = threadIdx.x; i < a.n_q; i += blockDim.x) {
+      double sum = 0.0;
+      for (int j = 0; j < a.n_k; ++j) sum += p[i * a.n_k + j];
+      row_sum[i] = sum;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < n; idx += blockDim.x) p[idx] /= row_sum[idx / a.n_k];
+    __syncthreads();
+  }
+
+  // Σ_j p_ij v_j per (query, channel), each in key order, into `sums` (double) or `rounded` (float):
+  // thread t takes channel t mod d of four queries at once (one read of v_jc for four independent sums).
+  __device__ void PvRows(const double* p, const float* v, int64_t v_stride, double* sums, float* rounded) {
+    constexpr int kQueries = 4;
+    const int groups = (a.n_q + kQueries - 1) / kQueries;
+    for (int idx = threadIdx.x; idx < groups * a.d; idx += blockDim.x) {
+      const int i0 = (idx / a.d) * kQueries, c = idx % a.d;
+      const int rows = a.n_q - i0 < kQueries ? a.n_q - i0 : kQueries;
+      const double* pi[kQueries];
+      for (int u = 0; u < kQueries; ++u) pi[u] = p + (i0 + (u < rows ? u : 0)) * a.n_k;
+      double acc[kQueries] = {0.0, 0.0, 0.0, 0.0};
+      for (int j = 0; j < a.n_k; ++j) {
+        const float vjc = v[j * v_stride + c];
+#pragma unroll
+        for (int u = 0; u < kQueries; ++u) acc[u] += pi[u][j] * vjc;
+      }
+      for (int u = 0; u < rows; ++u) {
+        if (sums) sums[(i0 + u) * a.d + c] = acc[u];
+        if (rounded) rounded[(i0 + u) * a.d + c] = static_cast<float>(acc[u]);
+      }
+    }
+    __syncthreads();
+  }
+
+  // Σ_j p_ij v_j per (query, channel) in key order (values v_stride apart), rounded to float into
+  // s.o; then each query's error against the reference; the totals in query order.
+  __device__ ErrorSums OutputError(const double* p, const float* v, int64_t v_stride, const float* mu,
+                                   const float* lambda_v, bool rotate) {
+    PvRows(p, v, v_stride, nullptr, s.o);
+    __syncthreads();
+    for (int i = threadIdx.x; i < a.n_q; i += blockDim.x) {
+      QueryErrorOf(s.o + i * a.d, a.d, mu, lambda_v, rotate, a.seed, s.ref + i * a.d, &s.query_error[2 * i],
+                   &s.query_error[2 * i + 1]);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      ErrorSums e;
+      for (int i = 0; i < a.n_q; ++i) AddQueryError(s.query_error[2 * i], s.query_error[2 * i + 1], &e);
+      *result = e;
+    }
+    __syncthreads();
+    const ErrorSums e = *result;
+    __syncthreads();
+    return e;
+  }
+
+  // The exact reference: probabilities of the unquantized rows and Σ_j p_ij v_j in double.
+  __device__ void Reference() {
+    Probabilities(Q(), a.q_stride, K(), a.kv_stride, s.p_ref);
+    PvRows(s.p_ref, V(), a.kv_stride, s.ref, nullptr);
+    __syncthreads();
+  }
+
+  // Probabilities through the candidate's K side (rows already set) into s.p.
+  __device__ void KProbabilities(int f) {
+    for (int i = threadIdx.x; i < a.n_q; i += blockDim.x) {
+      StoredQueryOf(Q() + i * a.q_stride, a.d, Row(kLambda), a.rotate, a.seed, s.q + i * a.d);
+    }
+    StoredRows(K(), Row(kMuK), Row(kLambda), f, s.k);  // its barrier also publishes s.q
+    Probabilities(s.q, a.d, s.k, a.d, s.p);
+  }
+
+  // The evaluator of SelectHeadTransforms.
+  __device__ ErrorSums KOnly(const ChoiceCandidate& c) {
+    SetRows(c);
+    KProbabilities(-1);
+    return OutputError(s.p, V(), a.kv_stride, Row(kZeros), Row(kOnes), false);
+  }
+  __device__ ErrorSums VOnly(const ChoiceCandidate& c) {
+    SetRows(c);
+    StoredRows(V(), Row(kMuV), Row(kLambdaV), -1, s.v);
+    return OutputError(s.p_ref, s.v, a.d, Row(kMuV), Row(kLambdaV), a.rotate);
+  }
+  __device__ ErrorSums Both(const ChoiceCandidate& c, int f) {
+    SetRows(c);
+    KProbabilities(f);
+    StoredRows(V(), Row(kMuV), Row(kLambdaV), f, s.v);
+    return OutputError(s.p, s.v, a.d, Row(kMuV), Row(kLambdaV), a.rotate);
+  }
+};
+
+__global__ void __launch_bounds__(kThreads) HeadEstimateKernel(const HeadEstimateArgs a) {
+  __shared__ float rows[kRowCount * kMaxDim];
+  __shared__ ErrorSums result;
+  __shared__ double row_max[kEstimateQueries], row_sum[kEstimateQueries];
+  __shared__ float q_tile[kEstimateQueries * kQPitch];
+  DeviceEstimator est;
+  est.a = a;
+  est.head = blockIdx.x;
+  est.rows = rows;
+  est.result = &result;
+  est.row_max = row_max;
+  est.row_sum = row_sum;
+  est.q_tile = q_tile;
+  est.s = HeadScratchOf(a, blockIdx.x);
+  for (int i = threadIdx.x; i < kMaxDim; i += blockDim.x) rows[kZeros * kMaxDim + i] = 0.0f, rows[kOnes * kMaxDim + i] = 1.0f;
+  est.Reference();
+
+  ChoiceCandidate kept;
+  const HeadChoice choice = SelectHeadTransforms(est, a.transforms, &kept);
+
+  // The kept set's rows into the entry's tables (every read of them is behind the last barrier),
+  // its flags and estimates into the per-head record.
+  float* mu_k = reinterpret_cast<float*>(a.kv + a.mu_k_offset) + static_cast<int64_t>(est.head) * a.d;
+  float* lambda = reinterpret_cast<float*>(a.kv + a.lambda_offset) + static_cast<int64_t>(est.head) * a.d;
+  float* mu_v = reinterpret_cast<float*>(a.kv + a.mu_v_offset) + static_cast<int64_t>(est.head) * a.d;
+  float* lambda_v = reinterpret_cast<float*>(a.kv + a.lambda_v_offset) + static_cast<int64_t>(est.head) * a.d;
+  for (int c = threadIdx.x; c < a.d; c += blockDim.x) {
+    mu_k[c] = kept.MuK(mu_k, c);
+    lambda[c] = kept.Lambda(lambda, c);
+    mu_v[c] = kept.MuV(mu_v, c);
+    lambda_v[c] = kept.LambdaV(lambda_v, c);
+  }
+  if (threadIdx.x == 0) {
+    reinterpret_cast<uint32_t*>(a.kv + a.head_flags_offset)[est.head] = choice.flags;
+    float* e = reinterpret_cast<float*>(a.kv + a.head_estimates_offset) + est.head * kHeadEstimateFields;
+    for (int f = 0; f < kNumPageFormats; ++f) e[f] = static_cast<float>(choice.by_format[f].err);
+    e[kNumPageFormats] = static_cast<float>(choice.by_format[0].ref);
+  }
+}
+
+}  // namespace
+
+Error LaunchHeadEstimate(const HeadEstimateArgs& args, int n_heads, cudaStream_t stream) {
+  if (args.d != 64 && args.d != 128) return Unsupported("per-head choice: head_dim must be 64 or 128");
+  if (args.n_q < 1 || args.n_q > kEstimateQueries || args.n_k < 1 || args.n_k > kEstimateKeys) {
+    return InvalidArgument("per-head choice: sample of " + std::to_string(args.n_q) + " queries and " +
+                           std::to_string(args.n_k) + " keys");
+  }
+  if (n_heads <= 0) return Error::Ok();
+  HeadEstimateKernel<<<n_heads, kThreads, 0, stream>>>(args);
+  KVPACK_CUDA_RETURN_LAUNCH("per-head transform estimate");
+  return Error::Ok();
+}
+
+}  // namespace kvpack::cuda
