@@ -20,7 +20,7 @@ uint64_t AlignUp(uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 struct ChoiceScratch {
   int64_t n_sample = 0, n_keys = 0, n_queries = 0;
   uint64_t key_index = 0, query_token = 0, gathered = 0, projected = 0, queries = 0, keys = 0, formats = 0;
-  uint64_t estimate = 0, end = 0;
+  uint64_t end = 0;
 };
 
 ChoiceScratch PlanChoiceScratch(const LayerConfig& c) {
@@ -37,10 +37,7 @@ ChoiceScratch PlanChoiceScratch(const LayerConfig& c) {
   p.queries = AlignUp(p.projected + (gemm ? nq * hd * 2 : 0));
   p.keys = AlignUp(p.queries + nq * hd * sizeof(float));
   p.formats = AlignUp(p.keys + p.n_keys * 2 * hd * sizeof(float));
-  p.estimate = AlignUp(p.formats + p.n_keys);
-  p.end = AlignUp(p.estimate + static_cast<uint64_t>(c.shape.n_heads) *
-                                   HeadEstimateBytes(static_cast<int>(p.n_queries), static_cast<int>(p.n_keys),
-                                                     c.shape.head_dim));
+  p.end = AlignUp(p.formats + p.n_keys);
   return p;
 }
 
@@ -51,6 +48,13 @@ bool ChoosesPerHead(const LayerConfig& c) {
 }
 
 uint64_t ChoiceScratchBytes(const LayerConfig& c) { return ChoosesPerHead(c) ? PlanChoiceScratch(c).end : 0; }
+
+uint64_t ChoiceEstimateBytes(const LayerConfig& c) {
+  if (!ChoosesPerHead(c)) return 0;
+  const ChoiceScratch p = PlanChoiceScratch(c);
+  return static_cast<uint64_t>(c.shape.n_heads) *
+         HeadEstimateBytes(static_cast<int>(p.n_queries), static_cast<int>(p.n_keys), c.shape.head_dim);
+}
 
 EstimateSampleRows PlanEstimateSample(const LayerConfig& c) {
   const int64_t n = c.shape.n_tokens, s = cpu::StatsSampleCount(n, c.transforms);
@@ -92,7 +96,8 @@ cpu::TransformRecord ChooseFromEstimateSample(const LayerConfig& c, const Estima
 
 Error ChooseHeadTransformsFromDevice(const LayerConfig& c, const LayerTensors& t, const RowEpilogueParams& base,
                                      const float* sample, const KvLayout& layout, uint8_t* kv, uint8_t* scratch,
-                                     cublasLtHandle_t blas, void* blas_workspace, cudaStream_t stream) {
+                                     uint8_t* estimate_scratch, cublasLtHandle_t blas, void* blas_workspace,
+                                     cudaStream_t stream) {
   const ChoiceScratch sp = PlanChoiceScratch(c);
   const int64_t hd = c.shape.HeadCols(), hidden = c.shape.hidden;
   int64_t* d_key_index = reinterpret_cast<int64_t*>(scratch + sp.key_index);
@@ -158,7 +163,7 @@ Error ChooseHeadTransformsFromDevice(const LayerConfig& c, const LayerTensors& t
   a.mu_k_offset = layout.mu_k_offset, a.mu_v_offset = layout.mu_v_offset;
   a.lambda_offset = layout.lambda_offset, a.lambda_v_offset = layout.lambda_v_offset;
   a.head_flags_offset = layout.head_flags_offset, a.head_estimates_offset = layout.head_estimates_offset;
-  a.scratch = scratch + sp.estimate;
+  a.scratch = estimate_scratch;  // may be `sample`'s bytes: the keys were gathered from it above
   KVPACK_RETURN_IF_ERROR(LaunchHeadEstimate(a, c.shape.n_heads, stream));
   // Pageable sources: the copies above have read them when cudaMemcpyAsync returned; the GEMM object's
   // work is queued (its destructor frees nothing the stream still reads).

@@ -22,10 +22,9 @@
 // statistics reduction differs in the order of its double sums (row_epilogue.h): the tables then
 // agree to ~1e-5 and the choice agrees except where two candidates' estimates tie within that.
 //
-// Memory: device scratch of ChoiceScratchBytes inside the layer's workspace, most of it the
-// estimate's per-head scratch (HeadEstimateBytes: 0.8 MiB per head at d = 128, 512 keys × 32
-// queries), within the projection region's size at every shape the planner chooses for 56 heads
-// of hidden 7168 (the workspace is the largest of the regions).
+// Memory: device scratch of ChoiceScratchBytes (the gathered rows) and ChoiceEstimateBytes (per
+// head 0.8 MiB at d = 128, 512 keys × 32 queries: HeadEstimateBytes) inside the layer's workspace;
+// the estimate's reuses the pre-pass sample's bytes where it fits there (layer.cc PlanStatsScratch).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -49,6 +48,9 @@ bool ChoosesPerHead(const LayerConfig& config);
 // Device scratch of the choice (0 when !ChoosesPerHead): the index tables, the gathered x rows and
 // GEMM output of the queries (x + W input only), the float queries and the gathered float keys.
 uint64_t ChoiceScratchBytes(const LayerConfig& config);
+// Device scratch of the estimate (step 4): n_heads · HeadEstimateBytes (0 when !ChoosesPerHead). It
+// may share bytes with the pre-pass sample, which is dead once the keys are gathered from it.
+uint64_t ChoiceEstimateBytes(const LayerConfig& config);
 
 // Which rows form the estimate's sample (steps 1–2): for S = StatsSampleCount sampled tokens, the
 // pre-pass sample rows of the keys and the tokens of the queries.
@@ -118,11 +120,12 @@ cpu::TransformRecord ChooseFromEstimateSample(const LayerConfig& config, const E
 
 // Steps 1–5 above. `base`: the row epilogue parameters of the layer (bias, norms, RoPE, positions)
 // with nothing of a mode set; `sample` the pre-pass's float K | V [S, 2·H·d] (device); `scratch`
-// ChoiceScratchBytes of device memory; `blas_workspace` the layer's cuBLASLt workspace (x + W input).
+// ChoiceScratchBytes of device memory (not overlapping `sample`); `estimate_scratch` ChoiceEstimateBytes
+// (may overlap `sample`); `blas_workspace` the layer's cuBLASLt workspace (x + W input).
 // REQUIRES: ChoosesPerHead(config); the tables of `kv` written by the pre-pass on `stream`.
 Error ChooseHeadTransformsFromDevice(const LayerConfig& config, const LayerTensors& tensors,
                                      const RowEpilogueParams& base, const float* sample, const KvLayout& layout,
-                                     uint8_t* kv, uint8_t* scratch, cublasLtHandle_t blas, void* blas_workspace,
-                                     cudaStream_t stream);
+                                     uint8_t* kv, uint8_t* scratch, uint8_t* estimate_scratch, cublasLtHandle_t blas,
+                                     void* blas_workspace, cudaStream_t stream);
 
 }  // namespace kvpack::cuda

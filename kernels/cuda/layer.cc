@@ -30,7 +30,7 @@ int64_t QueryRows(const LayerConfig& c) { return std::min(c.query_chunk, c.shape
 
 // Pieces of the pre-pass inside the main workspace region.
 struct StatsScratch {
-  uint64_t index = 0, gathered = 0, projected = 0, floats = 0, choice = 0, end = 0;
+  uint64_t index = 0, gathered = 0, projected = 0, floats = 0, choice = 0, estimate = 0, end = 0;
 };
 // With pre-projected input the epilogue reads the sampled rows in place: no gathered x, no GEMM output.
 StatsScratch PlanStatsScratch(const LayerConfig& c) {
@@ -47,7 +47,12 @@ StatsScratch PlanStatsScratch(const LayerConfig& c) {
   // S = 1024: 29 MiB of choice in 44 MiB), else it follows the floats it reads.
   const uint64_t choice = ChoiceScratchBytes(c);
   p.choice = p.gathered + choice <= p.floats ? p.gathered : floats_end;
-  p.end = std::max(floats_end, AlignUp(p.choice + choice));
+  const uint64_t choice_end = AlignUp(p.choice + choice);
+  // The estimate (head_choice.h step 4) runs once the keys are gathered from the floats: it takes
+  // their bytes where it fits there (H3: 47 of 59 MiB), else it follows everything.
+  const uint64_t estimate = ChoiceEstimateBytes(c);
+  p.estimate = p.floats + estimate <= floats_end ? p.floats : std::max(floats_end, choice_end);
+  p.end = std::max({floats_end, choice_end, AlignUp(p.estimate + estimate)});
   return p;
 }
 
@@ -178,7 +183,7 @@ Error ResolveLayerKernel(const LayerConfig& c, AttentionTilingChoice requested, 
 namespace {
 
 // The statistics pre-pass: sample, project, epilogue to float, reduce into the entry's tables; then,
-// with the per-head choice, the choice on the host from the same sample (head_choice.h).
+// with the per-head choice, the choice from the same sample (head_choice.h).
 Error ComputeStatsOnDevice(const LayerConfig& c, const LayerTensors& t, const KvLayout& layout, uint8_t* kv,
                            uint8_t* workspace, uint8_t* main, BlasGemm& gemm, const CudaContext& ctx) {
   const int64_t n = c.shape.n_tokens, s = SampleTokens(c), hd = c.shape.HeadCols();
@@ -214,8 +219,8 @@ Error ComputeStatsOnDevice(const LayerConfig& c, const LayerTensors& t, const Kv
   KVPACK_RETURN_IF_ERROR(LaunchKvStats(floats, s, c.shape.n_heads, c.shape.head_dim, c.transforms.smooth,
                                        c.transforms.balance, out, ctx.stream));
   if (!ChoosesPerHead(c)) return Error::Ok();
-  return ChooseHeadTransformsFromDevice(c, t, BaseRowParams(c, t), floats, layout, kv, main + sp.choice, ctx.blas,
-                                        workspace, ctx.stream);
+  return ChooseHeadTransformsFromDevice(c, t, BaseRowParams(c, t), floats, layout, kv, main + sp.choice,
+                                        main + sp.estimate, ctx.blas, workspace, ctx.stream);
 }
 
 // The Q epilogue's parameters: stored form (bias, QK-norm, RoPE, ×λ, R) in place in the workspace q.
