@@ -3,7 +3,11 @@ against the real kvpackd on the CPU backend, on kvpack.locality data (a leading 
 frames × height × width grid): the option reaches the daemon (0 < routed_fraction < 1) on every
 call path — ProjectedAttention inline, KvpackSelfAttention inline and through shared memory (the
 unary AttentionLayerRegions call), AttentionOverride — and each gives the client's own call with
-the same LayerOptions and ranges bit for bit. Skips without torch or a kvpackd build."""
+the same LayerOptions and ranges bit for bit. Skips without torch or a kvpackd build.
+
+On a GPU host (marker `gpu`) a CUDA-backed kvpackd gets the same call by CUDA IPC: it must route
+the same fraction as the CPU backend and give the inline call's output bit for bit. Prints
+"FIGURE sparse ..." lines."""
 
 import numpy as np
 import pytest
@@ -26,6 +30,9 @@ GRID = dict(frames=4, height=16, width=16)          # 1024 grid tokens: 17 pages
 N = TEXT + 4 * 16 * 16
 FORMATS = ("int8", "int4")
 SPARSE = Sparse(topk_ratio=0.2)
+# CUDA against CPU backend output, sparse path: the routes are the same and the outputs differ by
+# rounding only (rel L2 <= 0.003 measured in cuda_sparse_test); 3x room.
+CUDA_VS_CPU_REL_L2 = 0.01
 
 
 def qkv(batch=1, seed=5):
@@ -101,6 +108,15 @@ def test_text_tokens_are_always_attended(client):
     assert err[1] < err[0]
 
 
+def test_qkv_attention_sparse_matches_projected(client):
+    q, k, v = qkv(seed=17)
+    qkv_path = kt.QkvAttention(client, sparse=SPARSE, text_tokens=TEXT)
+    projected = kt.ProjectedAttention(client, sparse=SPARSE, text_tokens=TEXT)
+    assert torch.equal(qkv_path(q, k, v), projected(q, k, v))
+    assert_routed(qkv_path.last_result)
+    assert qkv_path.last_result.routed_fraction == projected.last_result.routed_fraction
+
+
 @pytest.mark.parametrize("shared_memory", [False, True])
 def test_self_attention_sparse_inline_and_through_shared_memory(client, shared_memory):
     """KvpackSelfAttention over x = [q | k | v] and the identity weight: the projection hands the
@@ -159,3 +175,37 @@ def test_bad_values_name_the_field(client):
     with pytest.raises(InvalidArgument, match=r"header\.ranges\[0\]\.always_attend"):
         client.attention_projected(bits(q), bits(k), bits(v), n_heads=H, head_dim=D,
                                    ranges=flagged)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device for torch")
+def test_cuda_ipc_sparse_matches_inline_and_routes_as_the_cpu(client):
+    try:
+        daemon = testing.LocalDaemon(extra_args=("--backend=cuda",))
+        daemon.__enter__()
+    except Exception as e:  # noqa: BLE001 - the daemon could not start on the GPU
+        pytest.skip(f"no CUDA-backed kvpackd: {e}")
+    try:
+        with kvpack.Client(daemon.target, timeout=120) as c:
+            if c.status().backend != "cuda":
+                pytest.skip("kvpackd fell back to the CPU backend")
+            q, k, v = qkv(batch=2, seed=19)
+            cpu = kt.ProjectedAttention(client, sparse=SPARSE, text_tokens=TEXT)
+            want = cpu(q, k, v).float()
+            ipc = kt.ProjectedAttention(c, sparse=SPARSE, text_tokens=TEXT)
+            got = ipc(*(t.cuda() for t in (q, k, v)))
+            inline = kt.ProjectedAttention(c, sparse=SPARSE, text_tokens=TEXT, cuda_ipc=False)
+            got_inline = inline(q, k, v)
+            err = ((got.float().cpu() - want).norm() / want.norm()).item()
+            same = torch.equal(got.cpu(), got_inline)
+            print(f"FIGURE sparse cuda_ipc transport {ipc.last_transport} routed "
+                  f"{ipc.last_result.routed_fraction:.4f} (cpu {cpu.last_result.routed_fraction:.4f})"
+                  f" rel_l2 vs cpu {err:.4f} (bound {CUDA_VS_CPU_REL_L2}) ipc == inline: {same}")
+            assert ipc.last_transport == "cuda_ipc"
+            assert ipc.last_result.routed_fraction == cpu.last_result.routed_fraction
+            assert inline.last_result.routed_fraction == cpu.last_result.routed_fraction
+            assert same
+            assert err < CUDA_VS_CPU_REL_L2
+            del ipc, got
+    finally:
+        daemon.__exit__(None, None, None)
