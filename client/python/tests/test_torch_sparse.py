@@ -7,7 +7,7 @@ the same LayerOptions and ranges bit for bit. Skips without torch or a kvpackd b
 
 On a GPU host (marker `gpu`) a CUDA-backed kvpackd gets the same call by CUDA IPC: it must route
 the same fraction as the CPU backend and give the inline call's output bit for bit. Prints
-"FIGURE sparse ..." lines."""
+"FIGURE sparse ..." lines (pytest -s shows them; a failed assertion carries them)."""
 
 import numpy as np
 import pytest
@@ -198,14 +198,17 @@ def test_cuda_ipc_sparse_matches_inline_and_routes_as_the_cpu(client):
             got_inline = inline(q, k, v)
             err = ((got.float().cpu() - want).norm() / want.norm()).item()
             same = torch.equal(got.cpu(), got_inline)
-            print(f"FIGURE sparse cuda_ipc transport {ipc.last_transport} routed "
-                  f"{ipc.last_result.routed_fraction:.4f} (cpu {cpu.last_result.routed_fraction:.4f})"
-                  f" rel_l2 vs cpu {err:.4f} (bound {CUDA_VS_CPU_REL_L2}) ipc == inline: {same}")
-            assert ipc.last_transport == "cuda_ipc"
-            assert ipc.last_result.routed_fraction == cpu.last_result.routed_fraction
-            assert inline.last_result.routed_fraction == cpu.last_result.routed_fraction
-            assert same
-            assert err < CUDA_VS_CPU_REL_L2
+            figure = (f"FIGURE sparse cuda_ipc transport={ipc.last_transport} routed="
+                      f"{ipc.last_result.routed_fraction:.4f} inline_routed="
+                      f"{inline.last_result.routed_fraction:.4f} cpu_routed="
+                      f"{cpu.last_result.routed_fraction:.4f} rel_l2_vs_cpu={err:.4f} "
+                      f"(bound {CUDA_VS_CPU_REL_L2}) ipc_equals_inline={same}")
+            print("\n" + figure)
+            assert ipc.last_transport == "cuda_ipc", figure
+            assert ipc.last_result.routed_fraction == cpu.last_result.routed_fraction, figure
+            assert inline.last_result.routed_fraction == cpu.last_result.routed_fraction, figure
+            assert same, figure
+            assert err < CUDA_VS_CPU_REL_L2, figure
             del ipc, got
     finally:
         daemon.__exit__(None, None, None)
