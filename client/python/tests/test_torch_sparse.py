@@ -142,6 +142,27 @@ def test_self_attention_sparse_inline_and_through_shared_memory(client, shared_m
             arena.close()
 
 
+@pytest.mark.skipif(not hasattr(torch.library, "custom_op"), reason="torch < 2.4: no custom ops")
+def test_compiled_self_attention_keeps_the_sparse_flags(client):
+    """torch.compile(fullgraph): the kvpack::self_attention op carries the ranges' always_attend
+    flags (the sparse option is the module's), so the compiled call routes as the eager one."""
+    q, k, v = qkv(seed=23)
+    x = torch.cat([t.reshape(N, H * D) for t in (q, k, v)], dim=-1)
+    attn = kt.KvpackSelfAttention(client, torch.eye(3 * H * D, dtype=torch.bfloat16), H, D,
+                                  sparse=SPARSE, fallback=False)
+    text = leading_text(N, TEXT, attn.formats)
+    with torch.no_grad():
+        plain = attn(x)
+        plain_routed = attn.last_result.routed_fraction
+        want = attn(x, None, text)
+        want_routed = attn.last_result.routed_fraction
+        got = torch.compile(lambda t: attn(t, None, text) * 2, fullgraph=True,
+                            backend="aot_eager")(x)
+    assert torch.equal(got, want * 2)
+    assert attn.last_result.routed_fraction == want_routed > plain_routed
+    assert not torch.equal(plain, want)
+
+
 @pytest.mark.parametrize("skip_reshape", [False, True])
 def test_comfy_override_sparse_path(client, skip_reshape):
     q, k, v = qkv(batch=2, seed=13)
