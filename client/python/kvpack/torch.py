@@ -195,11 +195,11 @@ class KvpackSelfAttention(torch.nn.Module):
             return self._handle
 
     def _remote(self, x2, positions2, ranges):
+        eps = self.eps if self.q_norm is not None else None
         kwargs = dict(n_heads=self.heads, head_dim=self.head_dim, ranges=ranges,
                       positions=None if positions2 is None else to_wire_f32(positions2),
                       options=LayerOptions(rope=self.rope, causal=self.causal,
-                                           softmax_scale=self.softmax_scale,
-                                           qk_norm_eps=self.eps if self.q_norm is not None else None,
+                                           softmax_scale=self.softmax_scale, qk_norm_eps=eps,
                                            sparse=self.sparse),
                       priority=self.priority, timeout=self.timeout)
         xw = to_wire_bf16(x2)

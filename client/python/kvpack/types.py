@@ -137,7 +137,8 @@ def check_range_flags(ranges, sparse):
     for i, r in enumerate(ranges or ()):
         if r.always_attend or r.attend_densely:
             flag = "always_attend" if r.always_attend else "attend_densely"
-            raise ValueError(f"ranges[{i}].{flag} needs sparse attention (sparse=kvpack.Sparse(...))")
+            raise ValueError(f"ranges[{i}].{flag} needs sparse attention "
+                             "(sparse=kvpack.Sparse(...))")
 
 
 def leading_text(n_tokens, text_tokens, formats=("int4",), seq_id=0) -> Sequence[Range]:

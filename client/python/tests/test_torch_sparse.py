@@ -102,7 +102,8 @@ def test_text_tokens_are_always_attended(client):
     assert text.last_result.routed_fraction > plain.last_result.routed_fraction
     dense = kt.ProjectedAttention(client)(q, k, v).float()
     err = [((o.float() - dense).norm() / dense.norm()).item() for o in (got_plain, got_text)]
-    print(f"FIGURE sparse topk=0.2 routed {plain.last_result.routed_fraction:.3f} rel_l2 {err[0]:.3f}"
+    print(f"FIGURE sparse topk=0.2 routed {plain.last_result.routed_fraction:.3f} "
+          f"rel_l2 {err[0]:.3f}"
           f"; with text_tokens={TEXT}: routed {text.last_result.routed_fraction:.3f} "
           f"rel_l2 {err[1]:.3f}")
     assert err[1] < err[0]

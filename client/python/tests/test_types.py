@@ -22,7 +22,8 @@ def test_as_sparse_reads_the_cli_words():
 @pytest.mark.parametrize("value,field", [
     ("topk=0", "sparse.topk_ratio"), ("topk=1.5", "sparse.topk_ratio"),
     ("topk=x", "sparse.topk_ratio"), ("tau=-1", "sparse.rel_tau"), ("tau=nan", "sparse.rel_tau"),
-    ("topk=0.2,sink_pages=2000", "sparse.sink_pages"), ("topk=0.2,sink_pages=1.5", "sparse.sink_pages"),
+    ("topk=0.2,sink_pages=2000", "sparse.sink_pages"),
+    ("topk=0.2,sink_pages=1.5", "sparse.sink_pages"),
     ("topk=0.2,min_exact_pages=-1", "sparse.min_exact_pages"), ("tail=maybe", "sparse.tail"),
     ("topk=0.2,tau=1", "topk_ratio or rel_tau"), ("half", "is not topk=R"),
     ({"topk": 0.2}, "unknown fields"), ({"topk_ratio": 2.0}, "sparse.topk_ratio"),
