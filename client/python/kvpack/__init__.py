@@ -4,17 +4,20 @@
     with kvpack.Client("unix:///run/kvpackd/kvpackd.sock") as c:
         print(c.status())
 
-kvpack.Client (gRPC, kvpack.v1), kvpack.Range / Rope / LayerOptions / RegionSlice (values),
+kvpack.Client (gRPC, kvpack.v1), kvpack.Range / Rope / Sparse / LayerOptions / RegionSlice (values;
+kvpack.as_sparse and kvpack.leading_text build the sparse option and text-first ranges),
 kvpack.KvpackError and its subclasses (gRPC code + message), kvpack.torch (PyTorch adapter),
 kvpack.comfy (ComfyUI attention override), kvpack.testing (start a local daemon).
 """
 
 __version__ = "0.1.0"
-__all__ = ["Client", "LayerOptions", "LayerOutput", "Range", "RegionSlice", "Rope", "Weights",
+__all__ = ["Client", "LayerOptions", "LayerOutput", "Range", "RegionSlice", "Rope", "Sparse",
+           "Weights", "as_sparse", "leading_text",
            "KvpackError", "Cancelled", "DeadlineExceeded", "FailedPrecondition", "InvalidArgument",
            "NotFound", "PermissionDenied", "ResourceExhausted", "Unauthenticated", "Unavailable"]
 
-from kvpack.types import LayerOptions, LayerOutput, Range, RegionSlice, Rope, Sparse, Weights  # noqa: F401
+from kvpack.types import (  # noqa: F401
+    LayerOptions, LayerOutput, Range, RegionSlice, Rope, Sparse, Weights, as_sparse, leading_text)
 from kvpack.errors import (  # noqa: F401
     Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, KvpackError, NotFound,
     PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable)

@@ -19,15 +19,24 @@ or the daemon answering UNAVAILABLE (not running, draining; then it is left alon
 q, k and v reach `attend` as [B, N, H, d] views of ComfyUI's own memory (no copy here);
 kvpack.torch.ProjectedAttention sends them as pre-projected input, by CUDA IPC when they sit on the
 daemon's GPU.
+
+Block-sparse attention: `AttentionOverride(attend, sparse=kvpack.Sparse(topk_ratio=0.2),
+text_tokens=T)` hands `sparse` to attend with each call, and with T > 0 ranges whose first T tokens
+(the text of an H3-style packed sequence; Wan's text goes through cross-attention, which stays with
+the original) are marked always_attend: their key pages are never pooled. The node takes the same
+as `sparse` ("topk=0.2", "tau=1.5,no_tail", "" for dense: kvpack.as_sparse) and `text_tokens`.
+The fallback (the original attention) is dense.
 """
 
 import logging
+import os
 import threading
 import time
 
 import grpc
 
 from kvpack.errors import KvpackError
+from kvpack.types import as_sparse, leading_text
 
 try:
     import torch
@@ -59,10 +68,17 @@ def from_tokens_major(o, skip_output_reshape):
 class AttentionOverride:
     """Callable for ComfyUI's optimized_attention_override. `attend(q, k, v)` takes and returns
     [B, N, H, d] tensors (kvpack.torch.ProjectedAttention, or anything with that contract).
+    With `sparse` set it is called as attend(q, k, v, ranges=..., sparse=...): ranges over one
+    batch element with the first `text_tokens` always attended (None when text_tokens is 0).
     Thread-safe: ComfyUI may run it from several threads."""
 
     def __init__(self, attend, *, min_tokens=1024, head_dims=(64, 128), retry_after_s=30.0,
-                 fallback_codes=FALLBACK_CODES, clock=time.monotonic):
+                 fallback_codes=FALLBACK_CODES, clock=time.monotonic, sparse=None,
+                 text_tokens=0):
+        if not isinstance(text_tokens, int) or text_tokens < 0:
+            raise ValueError(f"text_tokens = {text_tokens!r} must be an int >= 0")
+        self.sparse = as_sparse(sparse)
+        self.text_tokens = text_tokens
         self.attend = attend
         self.min_tokens = min_tokens
         self.head_dims = tuple(head_dims)
@@ -143,11 +159,20 @@ class AttentionOverride:
             return fallback()
         return self._attend_or(fallback, q, k, v, heads, skip_reshape, skip_output_reshape)
 
+    def _sparse_kwargs(self, n_tokens):
+        """attend's extra arguments for a sequence of n_tokens: none for dense attention."""
+        if self.sparse is None:
+            return {}
+        ranges = None
+        if self.text_tokens:
+            formats = getattr(self.attend, "formats", ("int8", "int4"))
+            ranges = leading_text(n_tokens, self.text_tokens, formats)
+        return {"ranges": ranges, "sparse": self.sparse}
+
     def _attend_or(self, fallback, q, k, v, heads, skip_reshape, skip_output_reshape):
         try:
-            out = self.attend(to_tokens_major(q, heads, skip_reshape),
-                              to_tokens_major(k, heads, skip_reshape),
-                              to_tokens_major(v, heads, skip_reshape))
+            q, k, v = (to_tokens_major(t, heads, skip_reshape) for t in (q, k, v))
+            out = self.attend(q, k, v, **self._sparse_kwargs(q.shape[1]))
         except KvpackError as e:
             if e.code not in self.fallback_codes:
                 raise
@@ -196,20 +221,33 @@ class KvpackAttentionNode:
             "min_tokens": ("INT", {"default": 1024, "min": 1, "max": 1 << 24}),
         }, "optional": {
             "token": ("STRING", {"default": ""}),
+            # Block-sparse attention: "topk=0.2", "tau=1.5", then ",no_tail", ",sink_pages=K",
+            # ",min_exact_pages=K" (kvpack.as_sparse); "off" dense; "" KVPACK_SPARSE, else dense.
+            "sparse": ("STRING", {"default": ""}),
+            # Leading tokens of each sequence kept exact under sparse attention (packed text);
+            # 0: KVPACK_TEXT_TOKENS, else 0.
+            "text_tokens": ("INT", {"default": 0, "min": 0, "max": 1 << 24}),
         }}
 
-    def patch(self, model, target, formats, min_tokens, token=""):
+    def patch(self, model, target, formats, min_tokens, token="", sparse="", text_tokens=0):
         from kvpack.client import Client
         from kvpack.torch import ProjectedAttention
 
-        # KVPACK_TOKEN / KVPACK_TOKEN_FILE / KVPACK_TENANT from ComfyUI's environment apply
-        # unless the node sets them.
+        # KVPACK_TOKEN / KVPACK_TOKEN_FILE / KVPACK_TENANT / KVPACK_SPARSE / KVPACK_TEXT_TOKENS
+        # from ComfyUI's environment apply unless the node sets them.
         overrides = {"target": target} if target else {}
         if token:
             overrides["token"] = token
+        # A bad setting fails here, naming the field.
+        sparse = as_sparse(sparse or os.environ.get("KVPACK_SPARSE", ""))
+        if not text_tokens:
+            text = os.environ.get("KVPACK_TEXT_TOKENS", "0").strip() or "0"
+            if not text.isdigit():
+                raise ValueError(f"KVPACK_TEXT_TOKENS = {text!r} is not an int >= 0")
+            text_tokens = int(text)
         client = Client.from_env(**overrides)
         hook = AttentionOverride(ProjectedAttention(client, formats=tuple(formats.split(","))),
-                                 min_tokens=min_tokens)
+                                 min_tokens=min_tokens, sparse=sparse, text_tokens=text_tokens)
         patched = model.clone()
         options = patched.model_options.setdefault("transformer_options", {})
         options["optimized_attention_override"] = hook

@@ -16,8 +16,15 @@ ComfyUI hook receives), sent as they are (header.projected: no weights, no GEMM)
 the daemon's GPU travel as CUDA IPC regions — nothing is copied, the output is written into a
 tensor allocated here — and everything else inline. `QkvAttention` (x = [q | k | v] against an
 identity weight: 3× the data and an identity GEMM) is kept for daemons older than header.projected.
+
+All three take `sparse=` (a kvpack.Sparse, its fields as a mapping, its text form "topk=0.2,no_tail"
+or None: kvpack.as_sparse) for block-sparse attention, and `text_tokens=`: the leading tokens of
+each sequence (H3-style packed text or conditioning) marked always_attend under sparse attention, so
+their key pages are never pooled. Explicit `ranges` (kvpack.Range with always_attend /
+attend_densely) say more. The local fallback of KvpackSelfAttention computes dense attention.
 """
 
+import dataclasses
 import logging
 import threading
 import time
@@ -28,7 +35,7 @@ import torch
 
 from kvpack import tensors, torch_ops
 from kvpack.errors import KvpackError
-from kvpack.types import LayerOptions, Range, RegionSlice
+from kvpack.types import LayerOptions, RegionSlice, as_sparse, check_range_flags, leading_text
 
 log = logging.getLogger("kvpack.torch")
 
@@ -111,6 +118,18 @@ def local_layer(x, w_qkv, heads, head_dim, *, bias=None, q_norm=None, k_norm=Non
 
 # ── through the daemon ──────────────────────────────────────────────────────────────────────────
 
+def element_ranges(n_tokens, formats, sparse, text_tokens):
+    """The default ranges of one batch element: one sequence, its first text_tokens always
+    attended when sparse attention is on (the flag means nothing, and is refused, without it)."""
+    return leading_text(n_tokens, text_tokens if sparse is not None else 0, formats)
+
+
+def check_text_tokens(text_tokens):
+    if not isinstance(text_tokens, int) or text_tokens < 0:
+        raise ValueError(f"text_tokens = {text_tokens!r} must be an int >= 0")
+    return text_tokens
+
+
 def pack_batch(ranges, batch, n_tokens):
     """Ranges of one sequence-set of n_tokens, repeated for each batch element with disjoint
     sequence ids (block-diagonal attention across the batch)."""
@@ -123,15 +142,16 @@ class KvpackSelfAttention(torch.nn.Module):
 
     forward(x [B, N, D] or [N, D], positions [B, N, A] / [N, A] or None, ranges=None) returns
     [B, N, H·d] (or [N, H·d]) in x's dtype and device, before the block's output projection.
-    `ranges` (kvpack.Range over one batch element's N tokens) set sequences and allowed formats;
-    by default one sequence in `formats`. With fallback=True, UNAVAILABLE and RESOURCE_EXHAUSTED
+    `ranges` (kvpack.Range over one batch element's N tokens) set sequences, allowed formats and
+    sparse flags; by default one sequence in `formats` (its first `text_tokens` always attended
+    under `sparse`). With fallback=True, UNAVAILABLE and RESOURCE_EXHAUSTED
     compute the layer locally in torch instead of raising.
     """
 
     def __init__(self, client, w_qkv, heads, head_dim, *, bias=None, q_norm=None, k_norm=None,
                  eps=1e-6, rope=None, causal=False, softmax_scale=0.0,
                  formats=("int8", "int4"), priority=0, timeout=None, fallback=True,
-                 arena=None):
+                 arena=None, sparse=None, text_tokens=0):
         super().__init__()
         if w_qkv.shape[0] != 3 * heads * head_dim:
             raise ValueError(f"w_qkv has {w_qkv.shape[0]} rows, want 3·{heads}·{head_dim}")
@@ -144,6 +164,8 @@ class KvpackSelfAttention(torch.nn.Module):
         self.formats, self.priority, self.timeout = tuple(formats), priority, timeout
         self.fallback = fallback
         self.arena = arena
+        self.sparse = as_sparse(sparse)
+        self.text_tokens = check_text_tokens(text_tokens)
         self.last_result = None
         self._handle = None
         self._handle_key = None
@@ -173,11 +195,12 @@ class KvpackSelfAttention(torch.nn.Module):
             return self._handle
 
     def _remote(self, x2, positions2, ranges):
+        eps = self.eps if self.q_norm is not None else None
         kwargs = dict(n_heads=self.heads, head_dim=self.head_dim, ranges=ranges,
                       positions=None if positions2 is None else to_wire_f32(positions2),
                       options=LayerOptions(rope=self.rope, causal=self.causal,
-                                           softmax_scale=self.softmax_scale,
-                                           qk_norm_eps=self.eps if self.q_norm is not None else None),
+                                           softmax_scale=self.softmax_scale, qk_norm_eps=eps,
+                                           sparse=self.sparse),
                       priority=self.priority, timeout=self.timeout)
         xw = to_wire_bf16(x2)
         run = self.arena.attention_layer if self.arena else self.client.attention_layer
@@ -201,7 +224,11 @@ class KvpackSelfAttention(torch.nn.Module):
         batched = x.dim() == 3
         xb = x if batched else x[None]
         b, n, _ = xb.shape
-        ranges = list(ranges) if ranges else [Range(0, n, 0, self.formats)]
+        if ranges:
+            ranges = list(ranges)
+            check_range_flags(ranges, self.sparse)
+        else:
+            ranges = element_ranges(n, self.formats, self.sparse, self.text_tokens)
         packed = pack_batch(ranges, b, n)
         x2 = xb.reshape(b * n, -1)
         p2 = None
@@ -227,10 +254,13 @@ class QkvAttention:
     q, k, v through. One identity weight per width is registered and kept."""
 
     def __init__(self, client, *, formats=("int8", "int4"), priority=0, timeout=None,
-                 arena=None):
+                 arena=None, sparse=None, text_tokens=0):
         self.client = client
         self.arena = arena
         self.formats, self.priority, self.timeout = tuple(formats), priority, timeout
+        self.sparse = as_sparse(sparse)
+        self.text_tokens = check_text_tokens(text_tokens)
+        self.options = LayerOptions(sparse=self.sparse)
         self._handles = {}
         self._lock = threading.Lock()
         self.last_result = None
@@ -249,9 +279,9 @@ class QkvAttention:
         b, n, h, d = q.shape
         x = torch.cat([t.reshape(b * n, h * d) for t in (q, k, v)], dim=1)
         xw = to_wire_bf16(x)
-        ranges = pack_batch([Range(0, n, 0, self.formats)], b, n)
-        kwargs = dict(n_heads=h, head_dim=d, ranges=ranges, priority=self.priority,
-                      timeout=self.timeout)
+        ranges = pack_batch(element_ranges(n, self.formats, self.sparse, self.text_tokens), b, n)
+        kwargs = dict(n_heads=h, head_dim=d, ranges=ranges, options=self.options,
+                      priority=self.priority, timeout=self.timeout)
         run = self.arena.attention_layer if self.arena else self.client.attention_layer
         try:
             res = run(xw, self._identity(h, d), **kwargs)
@@ -363,13 +393,20 @@ class ProjectedAttention:
     """attend(q, k, v) over [B, N, H, d] tensors (views of [B, N, H·d] or [B, H, N, d] memory are
     fine) through kvpackd's pre-projected input; returns [B, N, H, d] in q's dtype and device.
     On the daemon's GPU (cuda_ipc=True) q, k, v and the output travel as CUDA IPC regions; else
-    inline. `last_result` holds the LayerResult, `last_transport` "cuda_ipc" or "inline"."""
+    inline. `last_result` holds the LayerResult, `last_transport` "cuda_ipc" or "inline".
+    attend(q, k, v, ranges=None, sparse=None): ranges over one batch element's N tokens
+    (kvpack.Range, sparse flags included), by default one sequence in `formats` whose first
+    `text_tokens` are always attended under sparse attention; `sparse` given for one call takes
+    the place of the constructor's (kvpack.comfy.AttentionOverride passes its own)."""
 
     def __init__(self, client, *, formats=("int8", "int4"), causal=False, softmax_scale=0.0,
-                 priority=0, timeout=None, cuda_ipc=True):
+                 priority=0, timeout=None, cuda_ipc=True, sparse=None, text_tokens=0):
         self.client = client
         self.formats, self.priority, self.timeout = tuple(formats), priority, timeout
-        self.options = LayerOptions(causal=causal, softmax_scale=softmax_scale)
+        self.sparse = as_sparse(sparse)
+        self.text_tokens = check_text_tokens(text_tokens)
+        self.options = LayerOptions(causal=causal, softmax_scale=softmax_scale,
+                                    sparse=self.sparse)
         self.regions = CudaIpcRegions(client) if cuda_ipc else None
         self.last_result = None
         self.last_transport = None
@@ -380,18 +417,23 @@ class ProjectedAttention:
         self.last_stream_ordered = False    # the last call's answer came before the kernels ended
         self._events = threading.local()    # per thread: {device index: interprocess event}
         self._op_id = torch_ops.register(self)
-        self._ranges = {}               # (B, N) -> the packed ranges of the call
+        self._ranges = {}               # (B, N, ranges) -> the packed ranges of the call
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, ranges=None, sparse=None):
+        sparse = self.sparse if sparse is None else as_sparse(sparse)
+        if ranges:
+            check_range_flags(ranges, sparse)
         if torch_ops.compiling():     # one opaque op in the graph (kvpack::projected_attention)
-            return torch.ops.kvpack.projected_attention(q, k, v, self._op_id)
-        return self.attend_eager(q, k, v)
+            return torch.ops.kvpack.projected_attention(q, k, v, self._op_id,
+                                                        torch_ops.encode_ranges(ranges),
+                                                        torch_ops.encode_sparse(sparse))
+        return self.attend_eager(q, k, v, ranges, sparse)
 
-    def attend_eager(self, q, k, v):
+    def attend_eager(self, q, k, v, ranges=None, sparse=None):
         start = time.perf_counter()
         registered = self.regions.registrations if self.regions is not None else 0
         try:
-            return self._attend(q, k, v)
+            return self._attend(q, k, v, ranges, self.sparse if sparse is None else sparse)
         finally:
             self.last_wall_s = time.perf_counter() - start
             if self.regions is not None:
@@ -404,16 +446,21 @@ class ProjectedAttention:
             return None
         return self.last_wall_s - self.last_result.seconds.total
 
-    def _attend(self, q, k, v):
+    def _attend(self, q, k, v, element, sparse):
         b, n, h, d = q.shape
-        ranges = self._ranges.get((b, n))
-        if ranges is None:          # one entry per sequence shape the model uses
+        options = (self.options if sparse == self.options.sparse
+                   else dataclasses.replace(self.options, sparse=sparse))
+        key = (b, n, tuple(element) if element else sparse is not None)
+        ranges = self._ranges.get(key)
+        if ranges is None:          # one entry per sequence shape (and ranges) the model uses
             if len(self._ranges) >= 64:
                 self._ranges.clear()
-            ranges = self._ranges[(b, n)] = pack_batch([Range(0, n, 0, self.formats)], b, n)
+            element = list(element) if element else element_ranges(
+                n, self.formats, sparse, self.text_tokens)
+            ranges = self._ranges[key] = pack_batch(element, b, n)
         if self.regions is not None and all(self.regions.reaches(t) for t in (q, k, v)):
             try:
-                return self._by_ipc(q, k, v, ranges)
+                return self._by_ipc(q, k, v, ranges, options)
             except ValueError as e:
                 log.warning("kvpack: CUDA IPC not possible (%s); sending inline", e)
                 self.regions = None
@@ -421,15 +468,15 @@ class ProjectedAttention:
                 if e.code != grpc.StatusCode.NOT_FOUND:
                     raise
                 self.regions.forget_all()       # daemon restart or expired lease: register again
-                return self._by_ipc(q, k, v, ranges)
+                return self._by_ipc(q, k, v, ranges, options)
         qw, kw, vw = (to_wire_bf16(t.reshape(b * n, h * d)) for t in (q, k, v))
         res = self.client.attention_projected(qw, kw, vw, n_heads=h, head_dim=d, ranges=ranges,
-                                              options=self.options, priority=self.priority,
+                                              options=options, priority=self.priority,
                                               timeout=self.timeout)
         self.last_result, self.last_transport = res.result, "inline"
         return from_wire_bf16(res.output, (b, n, h, d), q)
 
-    def _by_ipc(self, q, k, v, ranges):
+    def _by_ipc(self, q, k, v, ranges, options):
         b, n, h, d = q.shape
         hd, n_tokens = h * d, b * n
         qkv = [t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16) for t in (q, k, v)]
@@ -446,7 +493,7 @@ class ProjectedAttention:
         slices = [self.regions.slice(t, span) for t in qkv]
         out_slice = self.regions.slice(out, out.numel() * out.element_size())
         kwargs = dict(n_heads=h, head_dim=d, ranges=ranges, layout=layout, row_stride=row_stride,
-                      batch=batch, n_tokens=n_tokens, options=self.options,
+                      batch=batch, n_tokens=n_tokens, options=options,
                       priority=self.priority, output=out_slice, timeout=self.timeout)
         stream = torch.cuda.current_stream(q.device)
         event = self._caller_event(q.device, stream)

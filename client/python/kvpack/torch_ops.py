@@ -6,7 +6,8 @@ Inductor leaves it alone. The ops take tensors and plain values only, so the Pyt
 does the work (a ProjectedAttention, an AttentionOverride, a KvpackSelfAttention) is named by a
 small integer from `register()`; it is looked up when the op runs (eagerly, on real tensors).
 
-    kvpack::projected_attention(q, k, v, attend_id) -> [B, N, H, d]          (ProjectedAttention)
+    kvpack::projected_attention(q, k, v, attend_id, ranges, sparse) -> [B, N, H, d]
+                                                                             (ProjectedAttention)
     kvpack::attention_override(q, k, v, hook_id, heads, skip_reshape,
                                skip_output_reshape) -> [B, N, H·d] | [B, H, N, d]  (comfy hook)
     kvpack::self_attention(x, positions, module_id, ranges) -> [..., N, H·d] (KvpackSelfAttention)
@@ -24,7 +25,7 @@ from typing import List, Optional
 
 import torch
 
-from kvpack.types import FORMATS, Range
+from kvpack.types import FORMATS, Range, Sparse
 
 AVAILABLE = hasattr(torch.library, "custom_op")
 
@@ -54,36 +55,59 @@ def lookup(key):
     return obj
 
 
-# Ranges travel as four ints each: begin, end, seq_id and the formats, best first, as base-4
-# digits of their 1-based index in FORMATS (("int8", "int4") -> 2 + 4·1).
+# Ranges travel as five ints each: begin, end, seq_id, the formats, best first, as base-4
+# digits of their 1-based index in FORMATS (("int8", "int4") -> 2 + 4·1), and the sparse flags
+# (1: always_attend, 2: attend_densely).
 def encode_ranges(ranges):
     out = []
     for r in ranges or ():
         code = sum((FORMATS.index(f) + 1) * 4 ** i for i, f in enumerate(r.formats))
-        out += [r.begin, r.end, r.seq_id, code]
+        flags = (1 if r.always_attend else 0) | (2 if r.attend_densely else 0)
+        out += [r.begin, r.end, r.seq_id, code, flags]
     return out
 
 
 def decode_ranges(values):
     ranges = []
-    for i in range(0, len(values), 4):
-        begin, end, seq_id, code = values[i:i + 4]
+    for i in range(0, len(values), 5):
+        begin, end, seq_id, code, flags = values[i:i + 5]
         formats = []
         while code:
             formats.append(FORMATS[code % 4 - 1])
             code //= 4
-        ranges.append(Range(begin, end, seq_id, tuple(formats)))
+        ranges.append(Range(begin, end, seq_id, tuple(formats), always_attend=bool(flags & 1),
+                            attend_densely=bool(flags & 2)))
     return ranges
+
+
+# A per-call Sparse travels as five floats (none: no floats, the object's own setting):
+# topk_ratio and rel_tau (-1: unset), tail (0 / 1), sink_pages, min_exact_pages.
+def encode_sparse(sparse):
+    if sparse is None:
+        return []
+    return [-1.0 if sparse.topk_ratio is None else float(sparse.topk_ratio),
+            -1.0 if sparse.rel_tau is None else float(sparse.rel_tau),
+            1.0 if sparse.tail else 0.0, float(sparse.sink_pages), float(sparse.min_exact_pages)]
+
+
+def decode_sparse(values):
+    if not values:
+        return None
+    topk, tau, tail, sink, min_exact = values
+    return Sparse(topk_ratio=None if topk < 0 else topk, rel_tau=None if tau < 0 else tau,
+                  tail=tail != 0.0, sink_pages=int(sink), min_exact_pages=int(min_exact))
 
 
 if AVAILABLE:
     @torch.library.custom_op("kvpack::projected_attention", mutates_args=())
     def projected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            attend_id: int) -> torch.Tensor:
-        return lookup(attend_id).attend_eager(q, k, v).contiguous()
+                            attend_id: int, ranges: List[int],
+                            sparse: List[float]) -> torch.Tensor:
+        return lookup(attend_id).attend_eager(q, k, v, decode_ranges(ranges) or None,
+                                              decode_sparse(sparse)).contiguous()
 
     @projected_attention.register_fake
-    def _(q, k, v, attend_id):
+    def _(q, k, v, attend_id, ranges, sparse):
         return q.new_empty(q.shape)
 
     @torch.library.custom_op("kvpack::attention_override", mutates_args=())

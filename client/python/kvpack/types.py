@@ -1,6 +1,7 @@
 """Plain values the client API takes and returns; kvpack.client converts them to and from
 kvpack.v1 messages. Units: tokens, bytes, seconds."""
 
+import collections.abc
 import dataclasses
 import math
 from typing import Optional, Sequence, Tuple
@@ -77,6 +78,83 @@ class Sparse:
         if not 0 <= self.min_exact_pages <= MAX_MIN_EXACT_PAGES:
             raise ValueError(f"sparse.min_exact_pages = {self.min_exact_pages} is outside "
                              f"[0, {MAX_MIN_EXACT_PAGES}]")
+
+
+# as_sparse's text form, the CLI's words: "topk=R" | "tau=T", then any of "no_tail",
+# "sink_pages=K", "min_exact_pages=K", comma-separated ("" / "off" / "dense": no sparse).
+_SPARSE_WORDS = {"topk": "topk_ratio", "topk_ratio": "topk_ratio", "tau": "rel_tau",
+                 "rel_tau": "rel_tau", "sink_pages": "sink_pages",
+                 "min_exact_pages": "min_exact_pages", "tail": "tail"}
+
+
+def as_sparse(value) -> Optional[Sparse]:
+    """A Sparse (or None for dense attention) from a Sparse, None, a mapping of Sparse's fields,
+    or text such as "topk=0.2,no_tail,sink_pages=1" (ComfyUI node settings). Raises ValueError,
+    naming the field, on bad values (the same errors as Sparse) and TypeError on other types."""
+    if value is None or isinstance(value, Sparse):
+        return value
+    if isinstance(value, collections.abc.Mapping):
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(Sparse)})
+        if unknown:
+            raise ValueError(f"sparse: unknown fields {unknown}")
+        return Sparse(**value)
+    if not isinstance(value, str):
+        raise TypeError(f"sparse must be a kvpack.Sparse, a mapping, text or None, "
+                        f"not {type(value).__name__}")
+    text = value.strip().lower()
+    if text in ("", "off", "dense", "none"):
+        return None
+    fields = {}
+    for word in (w.strip() for w in text.split(",")):
+        if word in ("no_tail", "no-tail"):
+            fields["tail"] = False
+            continue
+        name, eq, arg = word.partition("=")
+        field = _SPARSE_WORDS.get(name.strip().replace("-", "_"))
+        if not eq or field is None:
+            raise ValueError(f"sparse: {word!r} is not topk=R, tau=T, no_tail, sink_pages=K or "
+                             "min_exact_pages=K")
+        arg = arg.strip()
+        try:
+            if field == "tail":
+                if arg not in ("on", "off", "true", "false", "1", "0"):
+                    raise ValueError(arg)
+                fields[field] = arg in ("on", "true", "1")
+            elif field in ("topk_ratio", "rel_tau"):
+                fields[field] = float(arg)
+            else:
+                fields[field] = int(arg)
+        except ValueError:
+            raise ValueError(f"sparse.{field} = {arg!r} is not a valid value") from None
+    return Sparse(**fields)
+
+
+def check_range_flags(ranges, sparse):
+    """always_attend / attend_densely only mean something with sparse attention (the daemon
+    answers INVALID_ARGUMENT otherwise): raise ValueError naming the range first."""
+    if sparse is not None:
+        return
+    for i, r in enumerate(ranges or ()):
+        if r.always_attend or r.attend_densely:
+            flag = "always_attend" if r.always_attend else "attend_densely"
+            raise ValueError(f"ranges[{i}].{flag} needs sparse attention "
+                             "(sparse=kvpack.Sparse(...))")
+
+
+def leading_text(n_tokens, text_tokens, formats=("int4",), seq_id=0) -> Sequence[Range]:
+    """One sequence of n_tokens whose first text_tokens (H3-style packed text, reference or audio
+    conditioning) are marked always_attend: their key pages are never pooled by sparse attention.
+    text_tokens = 0 gives one plain range; text_tokens ≥ n_tokens marks them all."""
+    if text_tokens < 0:
+        raise ValueError(f"text_tokens = {text_tokens} must be >= 0")
+    formats = tuple(formats)
+    t = min(text_tokens, n_tokens)
+    if t == 0:
+        return [Range(0, n_tokens, seq_id, formats)]
+    ranges = [Range(0, t, seq_id, formats, always_attend=True)]
+    if t < n_tokens:
+        ranges.append(Range(t, n_tokens, seq_id, formats))
+    return ranges
 
 
 @dataclasses.dataclass(frozen=True)

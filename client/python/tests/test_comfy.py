@@ -135,3 +135,76 @@ def test_node_patches_a_clone_of_the_model():
     assert hook.attend.formats == ("int8", "int4")
     assert patched.model_options["transformer_options"]["other"] == 1
     assert "optimized_attention_override" not in original.model_options["transformer_options"]
+
+
+class SparseRecorder(Recorder):
+    formats = ("int8",)
+
+    def __init__(self):
+        super().__init__()
+        self.kwargs = []
+
+    def __call__(self, q, k, v, **kwargs):
+        self.kwargs.append(kwargs)
+        return super().__call__(q, k, v)
+
+
+@pytest.mark.parametrize("layout", ["bnhd_flat", "bhnd"])
+def test_sparse_reaches_attend_with_the_text_ranges(layout):
+    from kvpack.types import Range, Sparse
+    attend = SparseRecorder()
+    hook = AttentionOverride(attend, min_tokens=1, sparse="topk=0.3,no_tail", text_tokens=8)
+    q, k, v = inputs(layout)
+    hook(original, q, k, v, H, skip_reshape=layout == "bhnd")
+    assert attend.kwargs == [{"sparse": Sparse(topk_ratio=0.3, tail=False),
+                              "ranges": [Range(0, 8, 0, ("int8",), always_attend=True),
+                                         Range(8, N, 0, ("int8",))]}]
+    AttentionOverride(attend, min_tokens=1, sparse={"rel_tau": 1.0})(original, q, k, v, H,
+                                                                     skip_reshape=layout == "bhnd")
+    assert attend.kwargs[-1] == {"sparse": Sparse(rel_tau=1.0), "ranges": None}
+    plain = Recorder()          # dense: attend is called as before, without keywords
+    AttentionOverride(plain, min_tokens=1, text_tokens=8)(original, q, k, v, H,
+                                                          skip_reshape=layout == "bhnd")
+    assert len(plain.shapes) == 1
+
+
+def test_sparse_settings_are_checked_early():
+    with pytest.raises(ValueError, match=r"sparse\.topk_ratio"):
+        AttentionOverride(Recorder(), sparse="topk=2")
+    with pytest.raises(ValueError, match="text_tokens"):
+        AttentionOverride(Recorder(), text_tokens=-3)
+
+
+def test_node_takes_sparse_from_its_setting_or_the_environment(monkeypatch):
+    from kvpack.comfy import NODE_CLASS_MAPPINGS
+    from kvpack.types import Sparse
+
+    class Model:
+        model_options = {}
+
+        def clone(self):
+            m = Model()
+            m.model_options = {}
+            return m
+
+    node = NODE_CLASS_MAPPINGS["KvpackAttention"]()
+    optional = node.INPUT_TYPES()["optional"]
+    assert "sparse" in optional and "text_tokens" in optional
+    hook_of = (lambda p: p[0].model_options["transformer_options"]["optimized_attention_override"])
+    monkeypatch.delenv("KVPACK_SPARSE", raising=False)
+    monkeypatch.delenv("KVPACK_TEXT_TOKENS", raising=False)
+    hook = hook_of(node.patch(Model(), "127.0.0.1:1", "int8,int4", 64))
+    assert hook.sparse is None and hook.text_tokens == 0
+    hook = hook_of(node.patch(Model(), "127.0.0.1:1", "int8,int4", 64, sparse="tau=1.5",
+                              text_tokens=512))
+    assert hook.sparse == Sparse(rel_tau=1.5) and hook.text_tokens == 512
+    monkeypatch.setenv("KVPACK_SPARSE", "topk=0.1,sink_pages=1")
+    monkeypatch.setenv("KVPACK_TEXT_TOKENS", "256")
+    hook = hook_of(node.patch(Model(), "127.0.0.1:1", "int8,int4", 64))
+    assert hook.sparse == Sparse(topk_ratio=0.1, sink_pages=1) and hook.text_tokens == 256
+    assert hook_of(node.patch(Model(), "127.0.0.1:1", "int8", 64, sparse="off")).sparse is None
+    with pytest.raises(ValueError, match=r"sparse\.min_exact_pages"):
+        node.patch(Model(), "127.0.0.1:1", "int8", 64, sparse="topk=0.2,min_exact_pages=-2")
+    monkeypatch.setenv("KVPACK_TEXT_TOKENS", "many")
+    with pytest.raises(ValueError, match="KVPACK_TEXT_TOKENS"):
+        node.patch(Model(), "127.0.0.1:1", "int8", 64)

@@ -3,7 +3,8 @@ KVPACK_COMFYUI_DIR; nothing of ComfyUI is copied here) with kvpack.comfy.Attenti
 self-attention goes to kvpackd, cross-attention to ComfyUI's attention, the output matches
 ComfyUI's own attention, and a stopped daemon gives ComfyUI's output bit for bit.
 
-On the CPU backend always (when the tree, torch and a kvpackd build are there); on the GPU (marker
+On the CPU backend always (when the tree, torch and a kvpackd build are there), dense and
+block-sparse (the override's sparse option); on the GPU (marker
 `gpu`) through a CUDA-backed kvpackd by CUDA IPC, where a second step registers nothing. Prints
 "FIGURE comfy ..." lines. Skips, saying why, without KVPACK_COMFYUI_DIR, without ComfyUI's own
 dependencies (einops, ...) or without a kvpackd binary.
@@ -110,6 +111,34 @@ def test_wan_model_on_the_cpu_backend():
     c = cosine(got, want)
     print(f"\nFIGURE comfy wan cpu tokens=768 cosine_vs_comfy={c:.6f}")
     assert c >= MIN_COSINE
+
+
+def test_wan_model_sparse_on_the_cpu_backend():
+    """The override's sparse option in ComfyUI's model: both self-attentions run block-sparse
+    (Wan's text is cross-attention, which stays in ComfyUI, so no text_tokens), the output stays
+    close to ComfyUI's (random weights have no locality, yet the pooled tail keeps cosine 0.99998
+    measured at top-k 0.2) and equals the constructor path ProjectedAttention(sparse=...) bit for
+    bit."""
+    model = wan_model("cpu", SMALL)
+    args = inputs("cpu", frames=3, height=32, width=32)          # 768 tokens: 12 pages
+    want = run(model, args)
+    with testing.LocalDaemon() as d, kvpack.Client(d.target, timeout=120) as c:
+        attend = kt.ProjectedAttention(c, formats=("int8",))
+        hook = AttentionOverride(attend, min_tokens=256, sparse="topk=0.2")
+        got = run(model, args, hook)
+        routed = attend.last_result.routed_fraction
+        same = run(model, args, AttentionOverride(
+            kt.ProjectedAttention(c, formats=("int8",), sparse=kvpack.Sparse(topk_ratio=0.2)),
+            min_tokens=256))
+        dense = run(model, args, AttentionOverride(kt.ProjectedAttention(c, formats=("int8",)),
+                                                   min_tokens=256))
+    assert hook.calls == {"kvpack": 2, "fallback": 2}
+    c = cosine(got, want)
+    print(f"\nFIGURE comfy wan cpu sparse topk=0.2 tokens=768 routed={routed:.3f} "
+          f"cosine_vs_comfy={c:.6f}")
+    assert 0.0 < routed < 1.0
+    assert c >= MIN_COSINE
+    assert torch.equal(got, same) and not torch.equal(got, dense)
 
 
 def test_stopped_daemon_gives_comfyui_output_bit_for_bit():

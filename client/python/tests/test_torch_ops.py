@@ -73,7 +73,10 @@ class Block(torch.nn.Module):
 
 def test_ranges_round_trip_through_ints():
     ranges = [Range(0, 5, 0, ("int8", "int4")), Range(5, 9, 1, ("bf16",)),
-              Range(9, 12, 1, ("int4", "int8", "bf16"))]
+              Range(9, 12, 1, ("int4", "int8", "bf16")),
+              Range(12, 20, 2, ("int8",), always_attend=True),
+              Range(20, 30, 2, ("int4",), attend_densely=True),
+              Range(30, 31, 3, ("bf16",), always_attend=True, attend_densely=True)]
     assert torch_ops.decode_ranges(torch_ops.encode_ranges(ranges)) == ranges
     assert torch_ops.encode_ranges(None) == []
 
@@ -82,7 +85,7 @@ def test_opcheck_projected_attention():
     attend = kt.ProjectedAttention(SdpaProjectedClient(), cuda_ipc=False)
     q, k, v = (rand(B, N, H, D, seed=s) for s in (1, 2, 3))
     torch.library.opcheck(torch.ops.kvpack.projected_attention.default,
-                          (q, k, v, attend._op_id), test_utils=("test_schema", "test_faketensor"))
+                          (q, k, v, attend._op_id, [], []), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("skip_reshape,skip_output_reshape", [(False, False), (True, True)])
@@ -153,3 +156,44 @@ def test_compiled_block_through_kvpackd_cpu_backend():
         assert attend.last_transport == "inline" and hook.calls["kvpack"] == 2
         assert torch.equal(got, want)
         np.testing.assert_array_equal(got.float().numpy(), want.float().numpy())
+
+
+def test_sparse_round_trips_through_floats():
+    from kvpack.types import Sparse
+    for s in (None, Sparse(), Sparse(topk_ratio=0.3, tail=False, sink_pages=2, min_exact_pages=7),
+              Sparse(rel_tau=1.25)):
+        assert torch_ops.decode_sparse(torch_ops.encode_sparse(s)) == s
+
+
+def test_compiled_projected_attention_carries_ranges_and_sparse():
+    """Under torch.compile the per-call ranges (their sparse flags too) and sparse option reach
+    the client through the kvpack::projected_attention op as they do eagerly."""
+    from kvpack.types import Sparse
+
+    class Recording(SdpaProjectedClient):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def attention_projected(self, q, k, v, *, ranges, options, **kwargs):
+            self.seen.append((list(ranges), options.sparse))
+            return super().attention_projected(q, k, v, ranges=ranges, options=options, **kwargs)
+
+    client = Recording()
+    attend = kt.ProjectedAttention(client, cuda_ipc=False, formats=("int8",))
+    element = [Range(0, 16, 0, ("int8",), always_attend=True),
+               Range(16, N, 0, ("int8",), attend_densely=True)]
+    sparse = Sparse(topk_ratio=0.25, tail=False, sink_pages=1)
+
+    def f(q, k, v):
+        return attend(q, k, v, ranges=element, sparse=sparse) * 2
+
+    q, k, v = (rand(B, N, H, D, seed=s) for s in (1, 2, 3))
+    with torch.no_grad():
+        want = f(q, k, v)
+        got = torch.compile(f, fullgraph=True, backend=BACKEND)(q, k, v)
+    assert torch.equal(got, want)
+    assert len(client.seen) == 2 and client.seen[0] == client.seen[1]
+    ranges, seen_sparse = client.seen[1]
+    assert seen_sparse == sparse
+    assert ranges == kt.pack_batch(element, B, N) and ranges[2].always_attend
