@@ -246,7 +246,7 @@ class Client:
                 return LayerOutput(None, result)
             except KvpackError as e:
                 # gRPC answers a method the server lacks UNIMPLEMENTED with no message; the
-                # daemon's own UNIMPLEMENTED (sparse attention on CUDA) names the field.
+                # daemon's own UNIMPLEMENTED answers name a field.
                 if e.code != grpc.StatusCode.UNIMPLEMENTED or e.details:
                     raise
                 self.unary_layers = False   # a daemon from before the unary calls: stream
