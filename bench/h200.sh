@@ -198,8 +198,8 @@ run_daemon() {
     local t=$ROOT/client/python/tests
     PYTHONPATH=/tmp/site:$ROOT/client/python timeout "${PYTEST_TIMEOUT:-540}" python3 -m pytest -q -s -rs -p no:cacheprovider \
       "$t/test_torch_projected.py" "$t/test_projected.py" "$t/test_torch_cuda_gpu.py" "$t/test_torch_ops.py" \
-      "$t/test_cuda_segments.py" "$t/test_comfy_model.py" >>"$LOGS/pytest.log" 2>&1
-    say "pytest (kvpack.torch: CUDA IPC, segments, compile, ComfyUI) exit $?: $(tail -1 "$LOGS/pytest.log")"
+      "$t/test_cuda_segments.py" "$t/test_torch_sparse.py" "$t/test_comfy_model.py" >>"$LOGS/pytest.log" 2>&1
+    say "pytest (kvpack.torch: CUDA IPC, segments, compile, sparse, ComfyUI) exit $?: $(tail -1 "$LOGS/pytest.log")"
     grep -h '^FIGURE' "$LOGS/pytest.log" | tee -a "$SUMMARY"
     # Where a region-only call's time goes outside the attention, streamed vs unary (issue 17);
     # shared-memory regions, so the daemon stages them: compare the two methods, not the totals.
