@@ -16,7 +16,7 @@
 namespace kvpack::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
 constexpr int kMaxDim = 128;  // head_dim 64 or 128 on the GPU
 constexpr int kQPitch = kMaxDim + 1;
 
@@ -95,18 +95,28 @@ struct DeviceEstimator {
     }
     const int n = a.n_q * a.n_k;
     __syncthreads();
-    for (int i = threadIdx.x; i < a.n_q; i += blockDim.x) {
+    // Row maxima and sums, a warp per query: lanes read 32 consecutive entries at a time; the maximum
+    // is exact in any order, the sum is lane 0's, adding the 32 in key order (shuffled to it).
+    for (int i = warp; i < a.n_q; i += kWarps) {
       double mx = -INFINITY;
-      for (int j = 0; j < a.n_k; ++j) mx = fmax(mx, p[i * a.n_k + j]);
-      row_max[i] = mx;
+      for (int j = lane; j < a.n_k; j += 32) mx = fmax(mx, p[i * a.n_k + j]);
+      for (int off = 16; off > 0; off >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      if (lane == 0) row_max[i] = mx;
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < n; idx += blockDim.x) p[idx] = ChoiceExp(p[idx] - row_max[idx / a.n_k]);
     __syncthreads();
-    for (int i = threadIdx.x; i < a.n_q; i += blockDim.x) {
+    for (int i = warp; i < a.n_q; i += kWarps) {
       double sum = 0.0;
-      for (int j = 0; j < a.n_k; ++j) sum += p[i * a.n_k + j];
-      row_sum[i] = sum;
+      for (int j0 = 0; j0 < a.n_k; j0 += 32) {
+        const double mine = j0 + lane < a.n_k ? p[i * a.n_k + j0 + lane] : 0.0;
+        const int count = a.n_k - j0 < 32 ? a.n_k - j0 : 32;
+        for (int l = 0; l < count; ++l) {
+          const double e = __shfl_sync(0xffffffffu, mine, l);
+          if (lane == 0) sum += e;
+        }
+      }
+      if (lane == 0) row_sum[i] = sum;
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < n; idx += blockDim.x) p[idx] /= row_sum[idx / a.n_k];
