@@ -11,16 +11,31 @@ regions on a machine without a GPU), and times, per call, median over --calls:
              queue, project (K/V packing), attend and the rest (binding, submit, release)
   transport  rpc − daemon: both gRPC stacks, the reply and the thread hand-offs
   outside    wall − daemon: what issue 17's "time outside the daemon" counts
-  floor      a unary KeepAlive with no ids: gRPC's own round trip on this machine
+  floor      a unary KeepAlive with no ids: gRPC's own round trip on this machine, calls back to back
+  idle floor the same KeepAlive after the client and the daemon sat idle as long as the attention
+             takes (the daemon's median total): a layer call's reply wakes threads that slept
+             through the attention (gRPC's poller and workers on both sides, the Python caller),
+             and on an idle machine each wake-up costs far more than back to back (this 2-core VM:
+             0.2 ms floor, ~0.75 ms after 100 ms idle). outside − idle floor is what the layer
+             call adds to a bare gRPC round trip after the same idle time: header, parsing, the
+             reactor, the executor hand-off, the result.
 
 once over the streamed AttentionLayer and once over the unary AttentionLayerRegions (where the
 daemon has it). The shapes are small so that the attention is negligible.
+
+--cpu_latency_us=N (needs write access to /dev/cpu_dma_latency, i.e. root) repeats the unary call
+while this process holds a PM QoS request of N µs (0: idle cores poll instead of entering sleep
+states, machine-wide, for as long as it is held), to show how much of the idle floor is the cores'
+wake-up from sleep states. It measures; kvpackd itself changes nothing about the machine.
 
     python3 bench/frontend_overhead.py [--tokens 256 --heads 2 --head_dim 64 --calls 300]
 """
 
 import argparse
+import contextlib
+import os
 import statistics
+import struct
 import sys
 import time
 from multiprocessing import shared_memory
@@ -80,6 +95,33 @@ def run(client, region_id, args, method):
     return med
 
 
+def idle_floor_ms(client, idle_s, calls):
+    """Median KeepAlive time after `idle_s` of idleness on both sides (see the module comment)."""
+    times = []
+    for _ in range(calls):
+        time.sleep(idle_s)
+        t0 = time.perf_counter()
+        client.keep_alive([])
+        times.append(time.perf_counter() - t0)
+    return median_ms(times)
+
+
+@contextlib.contextmanager
+def cpu_latency_request(us):
+    """Holds a PM QoS CPU latency request of `us` µs while inside (Linux /dev/cpu_dma_latency:
+    the request lasts while the file stays open). Yields an error text instead when it cannot."""
+    try:
+        fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+    except OSError as e:
+        yield f"cannot open /dev/cpu_dma_latency ({e.strerror})"
+        return
+    try:
+        os.write(fd, struct.pack("i", us))
+        yield None
+    finally:
+        os.close(fd)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=256)
@@ -88,6 +130,10 @@ def main():
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--idle_calls", type=int, default=30,
+                    help="KeepAlive calls for the idle floor (each after the attention's time)")
+    ap.add_argument("--cpu_latency_us", type=int, default=-1,
+                    help="also run the unary call holding this PM QoS CPU latency request (root)")
     args = ap.parse_args()
 
     rng = np.random.default_rng(17)
@@ -122,6 +168,22 @@ def main():
                       f" queue {m['queue']:.3f}, project {m['project']:.3f}, attend"
                       f" {m['attend']:.3f}, rest {m['daemon_other']:.3f});"
                       f" outside the daemon {m['outside']:.3f}")
+                idle = idle_floor_ms(c, m["daemon"] / 1e3, args.idle_calls)
+                print(f"  {'':22s} gRPC unary after {m['daemon']:.1f} ms idle (KeepAlive) {idle:.3f}"
+                      f" (wake-up: {idle - floor_ms:+.3f} over the floor); outside the daemon"
+                      f" {m['outside']:.3f} = idle floor {idle:.3f} + layer call's own"
+                      f" {m['outside'] - idle:.3f}")
+            if args.cpu_latency_us >= 0:
+                with cpu_latency_request(args.cpu_latency_us) as error:
+                    if error:
+                        print(f"  with a CPU latency request: not run, {error}")
+                    else:
+                        m = run(c, region, args, "AttentionLayerRegions")
+                        idle = idle_floor_ms(c, m["daemon"] / 1e3, args.idle_calls)
+                        print(f"  AttentionLayerRegions holding a {args.cpu_latency_us} us CPU latency"
+                              f" request: transport {m['transport']:.3f}, outside the daemon"
+                              f" {m['outside']:.3f}; gRPC unary after {m['daemon']:.1f} ms idle"
+                              f" {idle:.3f}")
             same = outputs["AttentionLayer"] == outputs["AttentionLayerRegions"]
             print(f"  outputs of both methods bit-identical: {same}")
             c.unregister_region(region)
