@@ -81,11 +81,14 @@ class Backend {
   // records the event behind `done_event` (the 64 bytes of a cudaIpcEventHandle_t) after the
   // attention's last kernel, runs `launched` (the caller hears back then), and returns once those
   // kernels have finished, as AttendLayer does: what the call holds is released after the return,
-  // so never while its kernels run. `launched` does not run when the launches fail.
+  // so never while its kernels run. `launched` does not run when the launches fail. Sparse attention
+  // counts its routed pages on the device: with it on, `launched` runs once the kernels have finished
+  // and `sparse_report` is filled (the answer carries the routed fraction; the event is recorded all
+  // the same, so the caller's wait on it is immediate).
   // FAILED_PRECONDITION on backends without CUDA (TakesIpcEvents() false).
   virtual absl::Status AttendLayerSignalled(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
                                             uint8_t* workspace, const ChunkGate& gate, const std::string& done_event,
-                                            const std::function<void()>& launched) {
+                                            const std::function<void()>& launched, SparseReport* sparse_report) {
     (void)config;
     (void)tensors;
     (void)kv;
@@ -93,6 +96,7 @@ class Backend {
     (void)gate;
     (void)done_event;
     (void)launched;
+    (void)sparse_report;
     return absl::FailedPreconditionError("header.cuda_done_event: CUDA IPC events need the CUDA backend; this daemon "
                                          "serves on the " + name() + " backend");
   }

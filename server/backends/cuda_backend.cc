@@ -275,19 +275,24 @@ class CudaBackend final : public Backend {
   // still waits for the stream (Finish), so the engine releases the call's memory only after it.
   absl::Status AttendLayerSignalled(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
                                     uint8_t* workspace, const ChunkGate& gate, const std::string& done_event,
-                                    const std::function<void()>& launched) override {
+                                    const std::function<void()>& launched, SparseReport* sparse_report) override {
     absl::StatusOr<IpcEvents::Event> event = ipc_events_.Open(done_event, "header.cuda_done_event");
     if (!event.ok()) return event.status();
     const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
     const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
     StreamPool::Borrowed stream = streams_.Borrow();
-    Error error =
-        cuda::AttendLayer(config, tensors, view, workspace, Context(stream.get()), AfterIdle(gate, stream.get()));
+    Error error = cuda::AttendLayer(config, tensors, view, workspace, Context(stream.get()),
+                                    AfterIdle(gate, stream.get()), sparse_report);
     if (error.ok()) {
       if (cudaError_t e = cudaEventRecord(event->get(), stream.get()); e != cudaSuccess) {
         error = Error(ErrorCode::kInternal, std::string("header.cuda_done_event: cudaEventRecord: ") +
                                                 cudaGetErrorString(e));
       }
+    }
+    if (config.attention.sparse.enabled) {  // the report is read after the kernels: answer then
+      absl::Status s = Finish(error, stream.get());
+      if (s.ok()) launched();
+      return s;
     }
     if (error.ok()) launched();
     return Finish(error, stream.get());

@@ -497,7 +497,8 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
         job.replied = true;
         job.done(absl::OkStatus());
       };
-      s = backend_->AttendLayerSignalled(config, tensors, kv, ws_lease.data(), gate, job.done_event, launched);
+      s = backend_->AttendLayerSignalled(config, tensors, kv, ws_lease.data(), gate, job.done_event, launched,
+                                         &job.sparse_report);
     }
     if (turns_) turns_->Release(job.turn);
     if (!s.ok()) return s;
