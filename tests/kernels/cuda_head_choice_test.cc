@@ -253,6 +253,31 @@ TEST(CudaHeadChoice, SinkHeadsInt8ChooseAsTheCpu) {
   RunSinkCase(PageFormat::kInt8, {kInt8ChosenMeanCos, kInt8ChosenWorstCos, kInt8FixedMeanCosBelow});
 }
 
+// The estimate's rows as the device lays them out (head_choice.h steps 1–3) from the float rows of
+// `in`: keys [n_k, 2·H·d] (K | V), queries [n_q, H·d], and each key's range format.
+struct EstimateRows {
+  std::vector<float> keys, queries;
+  std::vector<uint8_t> formats;
+};
+EstimateRows GatherEstimateRows(const Qkv& in, const LayerConfig& cfg, const EstimateSampleRows& rows) {
+  const int64_t hd = cfg.shape.HeadCols(), n = cfg.shape.n_tokens;
+  EstimateRows r;
+  r.keys.resize(rows.key_index.size() * 2 * hd);
+  r.queries.resize(rows.query_token.size() * hd);
+  r.formats.resize(rows.key_index.size());
+  const cpu::TokenPageMap ranges(cfg.ranges);
+  for (size_t j = 0; j < rows.key_index.size(); ++j) {
+    const int64_t token = cpu::StatsSampleToken(rows.key_index[j], n, rows.n_sample);
+    std::copy(&in.kf[token * hd], &in.kf[token * hd] + hd, &r.keys[j * 2 * hd]);
+    std::copy(&in.vf[token * hd], &in.vf[token * hd] + hd, &r.keys[j * 2 * hd + hd]);
+    r.formats[j] = static_cast<uint8_t>(cfg.ranges[ranges.RangeOf(token)].format);
+  }
+  for (size_t i = 0; i < rows.query_token.size(); ++i) {
+    std::copy(&in.qf[rows.query_token[i] * hd], &in.qf[rows.query_token[i] * hd] + hd, &r.queries[i * hd]);
+  }
+  return r;
+}
+
 // The host half of the GPU's choice (ChooseFromEstimateSample, no device) fed the CPU layer's own
 // rows — picked by PlanEstimateSample, laid out as the device copies them — records exactly what the
 // CPU layer records: flags, estimates and chosen tables bit for bit. Two ranges of two formats, so
@@ -274,15 +299,9 @@ TEST(CudaHeadChoice, HostHalfOnTheCpuRowsIsTheCpuLayersChoice) {
   ASSERT_EQ(rows.key_index.size(), 512u);
   ASSERT_EQ(rows.query_token.size(), 32u);
   const int64_t hd = cfg.shape.HeadCols();
-  std::vector<float> keys(rows.key_index.size() * 2 * hd), queries(rows.query_token.size() * hd);
-  for (size_t j = 0; j < rows.key_index.size(); ++j) {
-    const int64_t token = cpu::StatsSampleToken(rows.key_index[j], kTokens, rows.n_sample);
-    std::copy(&in.kf[token * hd], &in.kf[token * hd] + hd, &keys[j * 2 * hd]);
-    std::copy(&in.vf[token * hd], &in.vf[token * hd] + hd, &keys[j * 2 * hd + hd]);
-  }
-  for (size_t i = 0; i < rows.query_token.size(); ++i) {
-    std::copy(&in.qf[rows.query_token[i] * hd], &in.qf[rows.query_token[i] * hd] + hd, &queries[i * hd]);
-  }
+  const EstimateRows sample = GatherEstimateRows(in, cfg, rows);
+  const std::vector<float>& keys = sample.keys;
+  const std::vector<float>& queries = sample.queries;
   KvStats stats = cpu::ComputeStats(in.kf.data(), in.vf.data(), cfg.shape, cfg.transforms);
   const cpu::TransformRecord record = ChooseFromEstimateSample(cfg, rows, keys.data(), queries.data(), &stats);
 
@@ -309,18 +328,10 @@ void RunDeviceEstimateCase(int heads, int dim, bool two_formats) {
   if (two_formats) cfg.ranges = {{0, 1000, 0, PageFormat::kInt4}, {1000, kTokens, 0, PageFormat::kInt8}};
   const EstimateSampleRows rows = PlanEstimateSample(cfg);
   const int64_t hd = cfg.shape.HeadCols();
-  std::vector<float> keys(rows.key_index.size() * 2 * hd), queries(rows.query_token.size() * hd);
-  std::vector<uint8_t> formats(rows.key_index.size());
-  const cpu::TokenPageMap ranges(cfg.ranges);
-  for (size_t j = 0; j < rows.key_index.size(); ++j) {
-    const int64_t token = cpu::StatsSampleToken(rows.key_index[j], kTokens, rows.n_sample);
-    std::copy(&in.kf[token * hd], &in.kf[token * hd] + hd, &keys[j * 2 * hd]);
-    std::copy(&in.vf[token * hd], &in.vf[token * hd] + hd, &keys[j * 2 * hd + hd]);
-    formats[j] = static_cast<uint8_t>(cfg.ranges[ranges.RangeOf(token)].format);
-  }
-  for (size_t i = 0; i < rows.query_token.size(); ++i) {
-    std::copy(&in.qf[rows.query_token[i] * hd], &in.qf[rows.query_token[i] * hd] + hd, &queries[i * hd]);
-  }
+  const EstimateRows sample = GatherEstimateRows(in, cfg, rows);
+  const std::vector<float>& keys = sample.keys;
+  const std::vector<float>& queries = sample.queries;
+  const std::vector<uint8_t>& formats = sample.formats;
   const KvStats full = cpu::ComputeStats(in.kf.data(), in.vf.data(), cfg.shape, cfg.transforms);
   KvStats host_stats = full;
   const cpu::TransformRecord host = ChooseFromEstimateSample(cfg, rows, keys.data(), queries.data(), &host_stats);
