@@ -3,7 +3,7 @@
 //   bench_layer --n=32768 --hidden=7168 --heads=56 --dim=128 --format=int4 [--in_place=1] [--reps=3]
 //               [--tp=4096] [--tq=4096] [--tiling=auto|mma_sync|tall|wide|wgmma] [--mma=auto|bf16|int8]
 //               [--rows_out=/tmp/rows.bin] [--gemm=1]
-//               [--digest=1] [--choose_per_head=1] [--topk=0.2 [--sinks=1] [--text=0]]
+//               [--digest=1] [--choose_per_head=1] [--topk=0.2 [--sinks=1] [--text=0] [--tail=1]]
 //
 // Prints one JSON line: median layer time over --reps timed runs (inputs refilled before each, so an
 // in-place run never reads its own output), per-stage times of one instrumented run, attention
@@ -15,10 +15,11 @@
 // FNV-1a digests of the packed K/V block and the whole output of the instrumented run (kv_digest,
 // out_digest), so that two builds that must agree bit for bit can be compared at full size.
 // --choose_per_head (default 1, as a request's TransformOptions) runs the per-head transform choice
-// (kernels/cuda/head_choice.h): its host work shows in stats_ms; 0 keeps every transform, the layer of
+// (kernels/cuda/head_choice.h): its time shows in stats_ms; 0 keeps every transform, the layer of
 // trees that predate the choice.
 // --topk runs the block-sparse path (kernels/cuda/sparse.h) with that top-k ratio, --sinks leading
-// pages always exact and --text leading tokens in an always-attended range; attention_tflops is then
+// pages always exact, --text leading tokens in an always-attended range and --tail=0 no pooled term
+// (the exact pages alone: what the pooled pass costs is the difference); attention_tflops is then
 // the dense-equivalent rate (4·N²·d per head over the sparse time) and routed_fraction is printed.
 #include <cuda_runtime.h>
 
@@ -109,6 +110,7 @@ int main(int argc, char** argv) {
     config.attention.sparse.enabled = true;
     config.attention.sparse.topk_ratio = std::stof(topk);
     config.attention.sparse.sink_pages = std::stoi(get("sinks", "1"));
+    config.attention.sparse.tail = get("tail", "1") != "0";
     const int64_t text = std::stoll(get("text", "0"));
     if (text > 0) config.ranges = {{0, text, 0, format, /*always_attend=*/true}, {text, n, 0, format}};
   }
@@ -250,7 +252,7 @@ int main(int argc, char** argv) {
       kv_bytes / 1073741824.0, ws_bytes / 1073741824.0, (free_before - free_after) / 1073741824.0,
       static_cast<long long>(config.projection_chunk), static_cast<long long>(config.query_chunk), tiling.c_str(),
       MmaPathName(mma_path), config.transforms.choose_per_head ? 1 : 0,
-      config.attention.sparse.enabled ? ("topk:" + topk).c_str() : "off",
+      config.attention.sparse.enabled ? ("topk:" + topk + (config.attention.sparse.tail ? "" : ",no_tail")).c_str() : "off",
       config.attention.sparse.enabled ? sparse_report.RoutedFraction() : 1.0, st.routing_ms, digests);
   cudaFree(x);
   cudaFree(w);
