@@ -284,16 +284,8 @@ Error AttendSparse(const LayerConfig& c, const LayerTensors& t, const KvEntryVie
   KVPACK_RETURN_IF_ERROR(ResolveLayerKernel(c, ctx.attention_tiling, &a.tiling, &dense_mma));
   a.mma = MmaPath::kBf16;
   chunk.options = c.attention.sparse;
-  chunk.attention.route.mean_k = reinterpret_cast<float*>(region + r.mean_k);
-  chunk.attention.route.v_sum = reinterpret_cast<float*>(region + r.v_sum);
-  chunk.range_flags = region + r.flags;
+  BindSparseRegion(r, region, &chunk);
   chunk.n_ranges = static_cast<int>(c.ranges.size());
-  chunk.attention.route.exact_bits = reinterpret_cast<uint32_t*>(region + r.exact_bits);
-  chunk.attention.route.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
-  chunk.attention.route.words = r.words;
-  chunk.tallies = reinterpret_cast<unsigned long long*>(region + r.tallies);
-  chunk.centroids = reinterpret_cast<float*>(region + r.centroids);
-  chunk.scores = reinterpret_cast<float*>(region + r.scores);
 
   KVPACK_RETURN_IF_ERROR(PassGate(gate));
   std::vector<uint8_t> flags(c.ranges.size());

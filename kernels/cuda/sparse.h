@@ -66,6 +66,10 @@ struct SparseChunk {
   float* scores = nullptr;         // scratch [n_blocks, H, pages]
 };
 
+// Points `chunk`'s statistics, range flags, bitmasks, tallies and scratch at their pieces of the
+// region (`region` = its first byte on the device); n_ranges and the rest stay the caller's.
+void BindSparseRegion(const SparseRegion& r, uint8_t* region, SparseChunk* chunk);
+
 inline constexpr uint8_t kSparseRangeAlwaysAttend = 1;  // = cpu::kRangeAlwaysAttend
 inline constexpr uint8_t kSparseRangeAttendDensely = 2; // = cpu::kRangeAttendDensely
 

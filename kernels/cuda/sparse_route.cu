@@ -320,6 +320,19 @@ SparseRegion PlanSparseRegion(const LayerConfig& c) {
   return r;
 }
 
+void BindSparseRegion(const SparseRegion& r, uint8_t* region, SparseChunk* chunk) {
+  AttentionParams::Route& route = chunk->attention.route;
+  route.mean_k = reinterpret_cast<float*>(region + r.mean_k);
+  route.v_sum = reinterpret_cast<float*>(region + r.v_sum);
+  route.exact_bits = reinterpret_cast<uint32_t*>(region + r.exact_bits);
+  route.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
+  route.words = r.words;
+  chunk->range_flags = region + r.flags;
+  chunk->tallies = reinterpret_cast<unsigned long long*>(region + r.tallies);
+  chunk->centroids = reinterpret_cast<float*>(region + r.centroids);
+  chunk->scores = reinterpret_cast<float*>(region + r.scores);
+}
+
 Error SparseSupported(const LayerConfig& c) {
   KVPACK_RETURN_IF_ERROR(ValidateSparse(c.attention.sparse));
   const int64_t pages = SparsePageCount(c);

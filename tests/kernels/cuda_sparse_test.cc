@@ -185,15 +185,8 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
   for (const TokenRange& range : cfg.ranges) a.max_page_bytes = std::max(a.max_page_bytes, PageBytes(range.format, d));
   chunk.options = cfg.attention.sparse;
   chunk.attention.route.first_page = 0, chunk.attention.route.n_blocks = P;
-  chunk.attention.route.mean_k = reinterpret_cast<float*>(region + r.mean_k);
-  chunk.attention.route.v_sum = reinterpret_cast<float*>(region + r.v_sum);
-  chunk.range_flags = region + r.flags, chunk.n_ranges = static_cast<int>(flags.size());
-  chunk.attention.route.exact_bits = reinterpret_cast<uint32_t*>(region + r.exact_bits);
-  chunk.attention.route.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
-  chunk.attention.route.words = r.words;
-  chunk.tallies = reinterpret_cast<unsigned long long*>(region + r.tallies);
-  chunk.centroids = reinterpret_cast<float*>(region + r.centroids);
-  chunk.scores = reinterpret_cast<float*>(region + r.scores);
+  BindSparseRegion(r, region, &chunk);
+  chunk.n_ranges = static_cast<int>(flags.size());
   ASSERT_OK(LaunchPageStats(a.kv, chunk.attention.route.mean_k, chunk.attention.route.v_sum, nullptr));
   ASSERT_OK(LaunchRoutePages(chunk, nullptr));
   ASSERT_OK(LaunchSparseAttention(chunk, nullptr));
