@@ -86,6 +86,26 @@ struct VisibleScratch {
   int n_visible;
 };
 
+// Thread tid's first slot in scratch.visible when each thread of the CTA adds `count` entries, in
+// thread (= page) order: an exclusive prefix sum over scratch.counts; scratch.n_visible gets the total.
+// Every thread calls it (two barriers).
+template <int kThreads, int kWindow>
+__device__ __forceinline__ int VisibleSlot(VisibleScratch<kThreads, kWindow>& scratch, int tid, int count) {
+  scratch.counts[tid] = count;
+  __syncthreads();
+  if (tid == 0) {
+    int run = 0;
+    for (int i = 0; i < kThreads; ++i) {
+      const int c = scratch.counts[i];
+      scratch.counts[i] = run;
+      run += c;
+    }
+    scratch.n_visible = run;
+  }
+  __syncthreads();
+  return scratch.counts[tid];
+}
+
 // Writes the visible pages among [w0, w0 + wn) to scratch.visible and returns their number (the same
 // in every thread). Starts and ends with barriers (so scratch may be reused right after the previous
 // window's last use).
@@ -110,19 +130,7 @@ __device__ int CollectVisiblePages(const AttentionParams& p, const QueryRuns& ru
     }
     if (visible) mine |= 1u << i, ++count;
   }
-  scratch.counts[tid] = count;
-  __syncthreads();
-  if (tid == 0) {  // exclusive prefix sum, in page order
-    int run = 0;
-    for (int i = 0; i < kThreads; ++i) {
-      const int c = scratch.counts[i];
-      scratch.counts[i] = run;
-      run += c;
-    }
-    scratch.n_visible = run;
-  }
-  __syncthreads();
-  int pos = scratch.counts[tid];
+  int pos = VisibleSlot(scratch, tid, count);
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     if (mine & (1u << i)) scratch.visible[pos++] = static_cast<uint16_t>(tid * kPerThread + i);
