@@ -2,6 +2,10 @@
 //   VmmExhaustion  another process (this test) takes the GPU's free memory, so the daemon's VMM arena
 //                  cannot map the chunks a layer needs: RESOURCE_EXHAUSTED, the pool back to the
 //                  weights, health SERVING, and once the memory is back the same call runs.
+//   InjectedVmmMap kvpackd --fault_every=vmm_map:N: every N-th allocation of the CUDA arena fails, at
+//                  whatever stage of a call it falls on (K/V block, workspace, staging): each call
+//                  ends OK (output checked) or RESOURCE_EXHAUSTED, and after each the pool is back
+//                  at the weights and the daemon SERVING.
 //   FreedIpc*      a CUDA IPC region whose allocation its owner freed (cudaFree in this process)
 //                  after registering it, and a handle freed before RegisterRegion: a code of the
 //                  documented set, never a crash, INTERNAL or NOT_SERVING; the daemon keeps serving.
@@ -9,6 +13,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -56,13 +61,19 @@ class CudaFaultTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: the CUDA fault test runs on a GPU host";
-    daemon_ = std::make_unique<DaemonProcess>(std::vector<std::string>{"--backend=cuda", "--vram_budget=4Gi"});
+    std::vector<std::string> args = {"--backend=cuda", "--vram_budget=4Gi"};
+    if (!fault_every_.empty()) args.push_back("--fault_every=" + fault_every_);
+    daemon_ = std::make_unique<DaemonProcess>(args);
     ASSERT_TRUE(daemon_->ok()) << "kvpackd did not start";
     c_ = daemon_->Connect();
     absl::StatusOr<v1::StatusResponse> s = c_->Status();
     ASSERT_TRUE(s.ok()) << s.status();
     ASSERT_EQ(s->backend(), "cuda") << "kvpackd fell back to the CPU backend";
-    weights_ = c_->RegisterWeights(WeightsOf(layer_));
+    // With injected faults the registration itself may draw one (RESOURCE_EXHAUSTED): try again.
+    for (int attempt = 0; attempt < kRegisterAttempts; ++attempt) {
+      weights_ = c_->RegisterWeights(WeightsOf(layer_));
+      if (weights_.status().code() != absl::StatusCode::kResourceExhausted) break;
+    }
     ASSERT_TRUE(weights_.ok()) << weights_.status();
   }
 
@@ -113,6 +124,8 @@ class CudaFaultTest : public ::testing::Test {
     EXPECT_TRUE(*health) << after << ": grpc.health.v1 not SERVING";
   }
 
+  static constexpr int kRegisterAttempts = 3;
+  std::string fault_every_;  // kvpackd's --fault_every, set by a derived fixture before SetUp
   const client::SyntheticLayer layer_ = client::MakeSyntheticLayer(MediumSpec());
   std::unique_ptr<DaemonProcess> daemon_;
   std::unique_ptr<client::Client> c_;
@@ -152,6 +165,47 @@ TEST_F(CudaFaultTest, VmmExhaustionIsResourceExhaustedAndTheDaemonRecovers) {
               absl::StatusCodeToString(exhausted.status().code()).c_str(), std::string(exhausted.status().message()).c_str(),
               serving ? "==" : "!=", serving, absl::StatusCodeToString(again.status().code()).c_str(), rel_l2,
               Verdict(refused && serving && again.ok() && rel_l2 < kGpuVsCpuRelL2));
+}
+
+// Every 7th allocation of the daemon's CUDA arena fails. A layer call makes a few (K/V block,
+// workspace, staged x and output), so over the calls below the fault falls on different stages of
+// some calls and on none of others.
+constexpr char kVmmFaultEvery[] = "vmm_map:7";
+constexpr int kVmmFaultCalls = 10;
+
+class CudaVmmFaultTest : public CudaFaultTest {
+ protected:
+  CudaVmmFaultTest() { fault_every_ = kVmmFaultEvery; }
+};
+
+TEST_F(CudaVmmFaultTest, InjectedVmmMapFailuresAreResourceExhaustedAndNothingLeaks) {
+  int ok = 0, refused = 0, ok_after_refused = 0, other = 0;
+  double worst_rel_l2 = 0;
+  for (int i = 0; i < kVmmFaultCalls; ++i) {
+    std::vector<uint16_t> out;
+    absl::StatusOr<v1::LayerResult> r = RunInline(&out);
+    if (r.ok()) {
+      const double rel_l2 = RelL2VsReference(out, *r);
+      worst_rel_l2 = std::max(worst_rel_l2, rel_l2);
+      EXPECT_LT(rel_l2, kGpuVsCpuRelL2) << "call " << i;
+      ++ok;
+      if (refused > 0) ++ok_after_refused;
+    } else if (r.status().code() == absl::StatusCode::kResourceExhausted) {
+      ++refused;
+    } else {
+      ++other;
+      ADD_FAILURE() << "call " << i << ": " << r.status();
+    }
+    ExpectServingWithPoolAtWeights(("after call " + std::to_string(i)).c_str());
+  }
+  EXPECT_GT(refused, 0) << "no call drew an injected fault";
+  EXPECT_GT(ok_after_refused, 0) << "no call ran after a refused one";
+  absl::StatusOr<v1::StatusResponse> s = c_->Status();
+  const bool serving = s.ok() && s->serving() && s->pool_bytes() == weights_->pool_bytes();
+  std::printf("[cuda_fault] injected vmm_map (--fault_every=%s), %d calls: %d OK (worst rel_l2 %.2e), %d RESOURCE_EXHAUSTED, "
+              "%d other; OK after a refusal %d; pool at weights and serving %d -> %s\n",
+              kVmmFaultEvery, kVmmFaultCalls, ok, worst_rel_l2, refused, other, ok_after_refused, serving,
+              Verdict(refused > 0 && ok_after_refused > 0 && other == 0 && serving && worst_rel_l2 < kGpuVsCpuRelL2));
 }
 
 // The codes a call over a region whose memory its owner freed may end with: OK (the daemon's
