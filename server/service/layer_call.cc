@@ -64,7 +64,10 @@ class LayerCall final : public grpc::ServerBidiReactor<v1::LayerRequest, v1::Lay
 
   void OnCancel() override { state_.Cancel(); }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    state_.OnDone();
+    delete this;
+  }
 
  private:
   void OnUploadComplete() {

@@ -433,9 +433,13 @@ absl::Status LayerCallState::OnChunk(const v1::TensorChunk& chunk) {
 
 absl::Status LayerCallState::Submit(std::function<void(absl::Status)> done) {
   if (context_->IsCancelled()) return absl::CancelledError("the client cancelled the call");
-  if (!have_header_) return absl::InvalidArgumentError("header: the stream ended before a header");
+  if (!have_header_) {
+    short_upload_ = true;
+    return absl::InvalidArgumentError("header: the stream ended before a header");
+  }
   for (const Input* input : Inputs()) {
     if (input->is_inline && input->received != input->size) {
+      short_upload_ = true;
       return absl::InvalidArgumentError(absl::StrCat(input->field, ": received ", input->received, " of ", input->size,
                                                      " bytes before the stream closed"));
     }
@@ -524,8 +528,17 @@ bool LayerCallState::FinishOnce(absl::Status status, grpc::Status* out) {
       absl::Now() >= absl::FromChrono(context_->deadline()) - kDeadlineSlack) {
     status = absl::DeadlineExceededError(status.message());
   }
-  *out = service_->Finished(method_, status);
+  if (short_upload_ && !status.ok()) {
+    *out = service_->FinishedShortUpload(status);
+    uncounted_ = out->error_code();
+  } else {
+    *out = service_->Finished(method_, status);
+  }
   return true;
+}
+
+void LayerCallState::OnDone() {
+  if (uncounted_) service_->RecordShortUpload(method_, *uncounted_, *context_);
 }
 
 }  // namespace kvpack::server

@@ -18,7 +18,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+
+#include <grpcpp/support/status.h>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -27,7 +30,6 @@
 
 namespace grpc {
 class CallbackServerContext;
-class Status;
 }  // namespace grpc
 
 namespace kvpack::server {
@@ -76,6 +78,9 @@ class LayerCallState {
   // deadline is what ended it. Returns false (and does nothing) when the call already finished:
   // exactly one Finish per call.
   bool FinishOnce(absl::Status status, grpc::Status* out);
+  // From the reactor's OnDone: counts a call that FinishOnce left uncounted (an upload that ended
+  // short: KvpackService::FinishedShortUpload).
+  void OnDone();
 
  private:
   // One input tensor as the header declared it.
@@ -117,6 +122,8 @@ class LayerCallState {
   std::shared_ptr<LayerJob> job_;
   bool cancelled_ = false;
   bool finished_ = false;
+  bool short_upload_ = false;  // Submit found an inline input or the header missing
+  std::optional<grpc::StatusCode> uncounted_;  // FinishOnce's code, counted in OnDone
 };
 
 }  // namespace kvpack::server

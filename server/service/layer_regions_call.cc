@@ -38,7 +38,10 @@ class LayerRegionsCall final : public grpc::ServerUnaryReactor {
 
   void OnCancel() override { state_.Cancel(); }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    state_.OnDone();
+    delete this;
+  }
 
  private:
   void FinishOnce(absl::Status status) {

@@ -54,6 +54,14 @@ grpc::Status KvpackService::Finished(const char* method, const absl::Status& sta
   return out;
 }
 
+grpc::Status KvpackService::FinishedShortUpload(const absl::Status& status) { return ToGrpcStatus(status); }
+
+void KvpackService::RecordShortUpload(const char* method, grpc::StatusCode finished,
+                                      const grpc::CallbackServerContext& context) {
+  const grpc::StatusCode counted = context.IsCancelled() ? grpc::StatusCode::CANCELLED : finished;
+  engine_->metrics().RecordRequest(method, GrpcCodeName(counted));
+}
+
 grpc::ServerUnaryReactor* KvpackService::FinishUnary(grpc::CallbackServerContext* context, const char* method,
                                                      const absl::Status& status) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();

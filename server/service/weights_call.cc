@@ -3,6 +3,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -51,7 +52,10 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
     StartRead(&in_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (uncounted_) service_->RecordShortUpload("RegisterWeights", *uncounted_, *context_);
+    delete this;
+  }
 
  private:
   absl::Status OnHeader(const v1::WeightsHeader& h) {
@@ -163,11 +167,13 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
       return;
     }
     if (!entry_) {
+      short_upload_ = true;
       FinishOnce(absl::InvalidArgumentError("header: the stream ended before a header"));
       return;
     }
     for (const Part& p : parts_) {
       if (p.is_inline && p.received != p.size) {
+        short_upload_ = true;
         FinishOnce(absl::InvalidArgumentError(absl::StrCat(p.field, ": received ", p.received, " of ", p.size,
                                                            " bytes before the stream closed")));
         return;
@@ -185,6 +191,12 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
     if (finished_) return;
     finished_ = true;
     if (!status.ok()) entry_.reset();  // frees the pool block at once
+    if (short_upload_) {  // counted in OnDone (KvpackService::FinishedShortUpload)
+      const grpc::Status out = service_->FinishedShortUpload(status);
+      uncounted_ = out.error_code();
+      Finish(out);
+      return;
+    }
     Finish(service_->Finished("RegisterWeights", status));
   }
 
@@ -197,6 +209,8 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
   Part parts_[4];
   int64_t chunks_ = 0;
   bool finished_ = false;
+  bool short_upload_ = false;                  // the stream ended before every inline byte came
+  std::optional<grpc::StatusCode> uncounted_;  // counted in OnDone
 };
 
 }  // namespace

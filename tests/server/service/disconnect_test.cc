@@ -1,14 +1,18 @@
 // A client that goes away (cancels; to the daemon the same as a dead connection) at every stage of
 // an AttentionLayer call: after the header, in the middle of the upload, after the upload, while
 // the layer runs, after the result, in the middle of the streamed output. Each time the call ends
-// (CANCELLED, or OK when the daemon had finished first), the pool returns to empty, nothing stays
-// queued or running, and the daemon serves the next call in full (docs/reliability.md).
+// (CANCELLED, or OK when the daemon had finished first), the metrics count it with that code (never
+// INVALID_ARGUMENT: a stream cut mid-upload can look to the daemon like one its client ended early,
+// and only OnDone tells them apart), the pool returns to empty, nothing stays queued or running,
+// and the daemon serves the next call in full (docs/reliability.md).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "tests/server/service/in_process_daemon.h"
+#include "tests/server/service/metrics_text.h"
 #include "tests/server/service/sanitizer_build.h"
 
 namespace kvpack::testing {
@@ -132,6 +136,19 @@ TEST_P(DisconnectTest, TheDaemonCleansUpAndServesTheNextCall) {
   }
   EXPECT_TRUE(daemon.PoolEmptyWithin(kSettle)) << StageName(stage) << ": "
                                                << daemon.engine().pool().Snapshot().allocated << " bytes held";
+  // Counted (from the reactor's OnDone, a moment after the client's status) with the code the call
+  // ended with.
+  auto count = [&](const char* code) {
+    return Sample(daemon.engine().metrics().Render(),
+                  std::string("kvpack_requests_total{code=\"") + code + "\",method=\"AttentionLayer\"}");
+  };
+  // After the result the daemon may have finished OK before the client's cancel reached it.
+  auto counted = [&] {
+    const double cancelled = std::max(0.0, count("CANCELLED")), ok = std::max(0.0, count("OK"));
+    return stage <= Stage::kWhileRunning ? cancelled == 1.0 && ok == 0.0 : cancelled + ok == 1.0;
+  };
+  EXPECT_TRUE(WaitFor(counted, kSettle)) << StageName(stage) << ": " << daemon.engine().metrics().Render();
+  EXPECT_LT(count("INVALID_ARGUMENT"), 1.0) << StageName(stage) << ": a cut stream counted as a malformed one";
   // The job lets go of its pool memory a moment before it stops counting as running.
   const auto until = std::chrono::steady_clock::now() + kSettle;
   absl::StatusOr<v1::StatusResponse> s = c->Status();

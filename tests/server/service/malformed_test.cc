@@ -1,7 +1,9 @@
 // A table of malformed requests, each with the code it must get; the daemon keeps serving.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
+#include <iterator>
 
 #include "tests/server/service/daemon_process.h"
 #include "tests/server/service/test_layers.h"
@@ -216,6 +218,14 @@ TEST_F(MalformedTest, LayerRequests) {
     EXPECT_EQ(s.error_code(), c.code) << c.name << ": " << s.error_message();
     EXPECT_NE(s.error_message().find(c.needle), std::string::npos) << c.name << ": " << s.error_message();
   }
+  // A stream its client ended early (half-close, no cancel) counts as INVALID_ARGUMENT, as it was
+  // answered; the metric is taken in OnDone for these (disconnect_test: a cut one counts CANCELLED).
+  const auto invalid = std::count_if(std::begin(cases), std::end(cases),
+                                     [](const Case& c) { return c.code == grpc::StatusCode::INVALID_ARGUMENT; });
+  EXPECT_TRUE(WaitFor([&] {
+    return Sample(daemon_.Metrics(), "kvpack_requests_total{code=\"INVALID_ARGUMENT\",method=\"AttentionLayer\"}") ==
+           static_cast<double>(invalid);
+  })) << daemon_.Metrics();
   // Still serving, and nothing leaked.
   EXPECT_TRUE(Send(GoodStream()).ok());
   EXPECT_TRUE(*c_->Health());
