@@ -285,7 +285,7 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
   const bool sparse = config.attention.sparse.enabled;
   uint8_t* routing = workspace + QueryBytes(config);
   if (sparse) {
-    float* mean_k = reinterpret_cast<float*>(routing);
+    uint16_t* mean_k = reinterpret_cast<uint16_t*>(routing);
     ComputePageStats(kv, mean_k, mean_k + static_cast<int64_t>(heads) * kv.n_pages * d, CpuOptions{threads});
   }
   for (int64_t begin = 0, end = 0; begin < n; begin = end) {

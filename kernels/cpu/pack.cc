@@ -90,7 +90,7 @@ Error PackKv(const float* k, const float* v, const LayerShape& shape, const std:
   return Error::Ok();
 }
 
-void ComputePageStats(const KvEntryView& kv, float* mean_k, float* v_sum, const CpuOptions& options) {
+void ComputePageStats(const KvEntryView& kv, uint16_t* mean_k, uint16_t* v_sum, const CpuOptions& options) {
   const int d = kv.head_dim;
   ParallelFor(options.n_threads, static_cast<int64_t>(kv.n_heads) * kv.n_pages, [&](int64_t item) {
     const int pg = static_cast<int>(item % kv.n_pages);
@@ -106,11 +106,11 @@ void ComputePageStats(const KvEntryView& kv, float* mean_k, float* v_sum, const 
       DecodePageRow(format, v_bytes, d, j, row);
       for (int c = 0; c < d; ++c) v_acc[c] += row[c];
     }
-    float* mk = mean_k + item * d;
-    float* vs = v_sum + item * d;
+    uint16_t* mk = mean_k + item * d;
+    uint16_t* vs = v_sum + item * d;
     for (int c = 0; c < d; ++c) {
-      mk[c] = static_cast<float>(k_acc[c] / page.n_valid);
-      vs[c] = static_cast<float>(v_acc[c]);
+      mk[c] = FloatToBf16(static_cast<float>(k_acc[c] / page.n_valid));
+      vs[c] = FloatToBf16(static_cast<float>(v_acc[c]));
     }
   });
 }

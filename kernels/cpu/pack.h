@@ -44,9 +44,9 @@ void PackRow(const KvLayout& layout, const LayerShape& shape, const TransformOpt
 
 // The page statistics of block-sparse attention (sparse_attention.h, docs/format.md): per (head,
 // page) the mean of the decoded stored K rows into mean_k and the sum of the decoded stored V rows
-// into v_sum, [H, P, d] floats each (sums in double in slot order, rounded once). Computed from
-// the pages just packed, so the values are those a projection epilogue writing them in its own
-// pass would produce. REQUIRES: head_dim ≤ kMaxHeadDimCpu.
-void ComputePageStats(const KvEntryView& kv, float* mean_k, float* v_sum, const CpuOptions& options);
+// into v_sum, [H, P, d] bf16 bits each (sums in double in slot order, rounded to float once, then
+// to bf16 by FloatToBf16). Computed from the pages just packed, so the values are those a
+// projection epilogue writing them in its own pass would produce. REQUIRES: head_dim ≤ kMaxHeadDimCpu.
+void ComputePageStats(const KvEntryView& kv, uint16_t* mean_k, uint16_t* v_sum, const CpuOptions& options);
 
 }  // namespace kvpack::cpu

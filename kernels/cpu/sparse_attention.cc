@@ -12,9 +12,11 @@
 namespace kvpack::cpu {
 namespace {
 
-float DotDouble(const float* a, const float* b, int n) {
+// a · b for a bf16 statistic b: double sum in channel order, rounded to float once (the GPU's
+// ScoreKernel reads the same bf16 values and sums the same way, so scores agree bit for bit).
+float DotBf16(const float* a, const uint16_t* b, int n) {
   double s = 0.0;
-  for (int i = 0; i < n; ++i) s += static_cast<double>(a[i]) * b[i];
+  for (int i = 0; i < n; ++i) s += static_cast<double>(a[i]) * Bf16ToFloat(b[i]);
   return static_cast<float>(s);
 }
 
@@ -38,12 +40,12 @@ int TopKCount(float ratio, int n) {
 }
 
 // Folds one pooled page into query i's softmax state: n tokens of logit s and value v_sum / n.
-void FoldPooled(TileState* state, int i, int d, float s, float count, const float* v_sum) {
+void FoldPooled(TileState* state, int i, int d, float s, float count, const uint16_t* v_sum) {
   const float m_new = std::max(state->m[i], s);
   const float alpha = expf(state->m[i] - m_new);
   const float e = expf(s - m_new);
   float* a = state->acc + i * d;
-  for (int c = 0; c < d; ++c) a[c] = a[c] * alpha + e * v_sum[c];
+  for (int c = 0; c < d; ++c) a[c] = a[c] * alpha + e * Bf16ToFloat(v_sum[c]);
   state->l[i] = state->l[i] * alpha + count * e;
   state->m[i] = m_new;
 }
@@ -51,7 +53,7 @@ void FoldPooled(TileState* state, int i, int d, float s, float count, const floa
 }  // namespace
 
 uint64_t PageStatsBytes(int n_heads, int head_dim, int n_pages) {
-  return 2ull * sizeof(float) * static_cast<uint64_t>(n_heads) * static_cast<uint64_t>(n_pages) *
+  return 2ull * sizeof(uint16_t) * static_cast<uint64_t>(n_heads) * static_cast<uint64_t>(n_pages) *
          static_cast<uint64_t>(head_dim);
 }
 
@@ -116,7 +118,7 @@ void RoutePages(const KvEntryView& kv, const PageStatsView& stats, int head, con
   };
 
   // Visible pages, their scores, and what is exact whatever the scores say (mark 1).
-  const float* mean_k = stats.mean_k + static_cast<int64_t>(head) * P * d;
+  const uint16_t* mean_k = stats.mean_k + static_cast<int64_t>(head) * P * d;
   int n_visible = 0;
   int sinks_left = sparse.sink_pages;
   for (int pg = 0; pg < P; ++pg) {
@@ -128,7 +130,7 @@ void RoutePages(const KvEntryView& kv, const PageStatsView& stats, int head, con
     // (causal, masked slots), so it must not move any other page's routing.
     const bool partial = !visibility.PageFullyVisibleToBlock(page, seq, first_pos);
     scratch.scores[pg] = partial ? std::numeric_limits<float>::infinity()
-                                 : scale * DotDouble(centroid, mean_k + static_cast<int64_t>(pg) * d, d);
+                                 : scale * DotBf16(centroid, mean_k + static_cast<int64_t>(pg) * d, d);
     bool forced = partial || dense_block || near_diagonal(pg) || (flag_of(pg) & kRangeAlwaysAttend);
     if (sinks_left > 0) {
       forced = true;
@@ -200,13 +202,13 @@ void AttendTileRouted(const KvEntryView& kv, const PageStatsView& stats, int hea
   BeginTile(tile, d, MmaPath::kBf16, &state);  // the exact logits (the sparse path has no MMA option yet)
   const Visibility visibility{causal};
   for (int i = 0; i < routed.n_exact; ++i) FoldPage(kv, head, tile, visibility, scale, routed.exact[i], &state);
-  const float* mean_k = stats.mean_k + head * P * d;
-  const float* v_sum = stats.v_sum + head * P * d;
+  const uint16_t* mean_k = stats.mean_k + head * P * d;
+  const uint16_t* v_sum = stats.v_sum + head * P * d;
   for (int i = 0; i < routed.n_pooled; ++i) {
     const int64_t pg = routed.pooled[i];
     const float count = static_cast<float>(kv.pages[pg].n_valid);
     for (int q = 0; q < tile.n; ++q) {
-      const float s = scale * DotDouble(tile.q + q * d, mean_k + pg * d, d);
+      const float s = scale * DotBf16(tile.q + q * d, mean_k + pg * d, d);
       FoldPooled(&state, q, d, s, count, v_sum + pg * d);
     }
   }
@@ -228,7 +230,7 @@ Error SparseAttendFloat(const KvEntryView& kv, const QueryBlock& queries, const 
   const int heads = kv.n_heads;
   const int64_t P = kv.n_pages;
   const float scale = EffectiveScale(attention, d);
-  std::vector<float> mean_k(static_cast<size_t>(heads) * P * d), v_sum(mean_k.size());
+  std::vector<uint16_t> mean_k(static_cast<size_t>(heads) * P * d), v_sum(mean_k.size());
   ComputePageStats(kv, mean_k.data(), v_sum.data(), options);
   const PageStatsView stats{mean_k.data(), v_sum.data()};
   const std::vector<uint8_t> flags = RangeFlags(ranges);

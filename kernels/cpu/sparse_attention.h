@@ -5,15 +5,23 @@
 // Page statistics, per (head, page), in the stored (rotated, smoothed, balanced) domain, from the
 // DECODED rows (what the kernels read, so routing needs no other copy of K):
 //   mean_k[h, p, :] = (1/n) Σ_j k̂_j     v_sum[h, p, :] = Σ_j v̂_j      n = PageDesc::n_valid
-// Sums in double in slot order, rounded to float once. 8·d bytes per (page, head) (1 KiB at
-// d = 128, 12% of an INT4 K+V page pair); the token count is the page descriptor's n_valid.
+// Sums in double in slot order, rounded to float once, then stored as bf16 (round to nearest even,
+// FloatToBf16): 4·d bytes per (page, head) (512 B at d = 128, 6% of an INT4 K+V page pair); the
+// token count is the page descriptor's n_valid. bf16 halves the statistics, most of the GPU's
+// routing region (H3: 68 MB instead of 136 MB), and loses nothing the GPU kept: its pooled tiles
+// already rounded the float statistics to bf16 (RNE, the same values). The V SUM is stored, not the
+// mean: the wgmma kernel's synthetic pages take V sums as their rows and FoldPooled adds e·v_sum,
+// so both use it as stored; bf16 has float's exponent range (a sum of 64 rows cannot overflow where
+// a row does not); and for a full page (n = 64, a power of two) bf16(sum) / 64 = bf16(mean) exactly,
+// so the choice matters only for a range's last, partial page, where the mma.sync kernel's value
+// bf16(v_sum / n) rounds twice.
 //
 // Query blocks: consecutive queries, cut at 64, where the sequence id changes and where the key page
 // holding the query's position changes — in the layer (query t at position t) a block is exactly the
 // queries of one page. Per (block, head):
 //   centroid c = mean of the block's stored queries q̂ (double, rounded to float)
-//   score s_p  = scale · c · mean_k[p] (double dot, rounded) for every page p the block sees
-//                (Visibility::PageVisibleToRun with the block's last position)
+//   score s_p  = scale · c · mean_k[p] (double dot over the bf16 mean key, rounded) for every page p
+//                the block sees (Visibility::PageVisibleToRun with the block's last position)
 //   exact      = top-k: the ceil(topk_ratio · V) best scores (at least 1; V visible pages), or
 //                rel-tau: every page with s_p ≥ max s − rel_tau · std s (population std over V)
 //              ∪ always: the diagonal pages (those holding the block's positions) and their ±1
@@ -44,13 +52,13 @@ namespace kvpack::cpu {
 
 inline constexpr int kQueryBlock = kPageTokens;
 
-// Bytes of the page statistics of an entry (mean_k and v_sum, float [H, P, d] each).
+// Bytes of the page statistics of an entry (mean_k and v_sum, bf16 [H, P, d] each).
 uint64_t PageStatsBytes(int n_heads, int head_dim, int n_pages);
 
-// The page statistics of an entry, in caller memory: [H, P, d] floats each.
+// The page statistics of an entry, in caller memory: [H, P, d] bf16 bits each (ComputePageStats).
 struct PageStatsView {
-  const float* mean_k = nullptr;
-  const float* v_sum = nullptr;
+  const uint16_t* mean_k = nullptr;
+  const uint16_t* v_sum = nullptr;
 };
 
 // Per-range flags the routing reads, indexed by PageDesc::range_index.

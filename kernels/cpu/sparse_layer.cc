@@ -86,8 +86,8 @@ void AttendChunkSparse(const LayerConfig& config, const KvEntryView& kv, const u
   map.Locate(begin, &first_page, &slot);
   map.Locate(end - 1, &last_page, &slot);
   const int64_t n_blocks = last_page - first_page + 1;
-  const PageStatsView stats{reinterpret_cast<const float*>(routing),
-                            reinterpret_cast<const float*>(routing) + static_cast<int64_t>(heads) * P * d};
+  const PageStatsView stats{reinterpret_cast<const uint16_t*>(routing),
+                            reinterpret_cast<const uint16_t*>(routing) + static_cast<int64_t>(heads) * P * d};
   uint8_t* routes = routing + Align8(PageStatsBytes(heads, d, P));
   const uint64_t item_bytes = RouteItemBytes(P);
   const std::vector<uint8_t> flags = RangeFlags(config.ranges);

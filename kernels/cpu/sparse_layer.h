@@ -2,7 +2,7 @@
 // where its memory sits in the workspace and how one query chunk is attended.
 //
 // Workspace with sparse on, after the queries' region (layer.h) — RoutingBytes in all:
-//   page statistics   float [H, P, d] mean_k, then v_sum            PageStatsBytes (8·d per page·head)
+//   page statistics   bf16 [H, P, d] mean_k, then v_sum             PageStatsBytes (4·d per page·head)
 //   routes            per (query block of the chunk, head): exact and pooled page lists int32[P]
 //                     each, scores float[P], order int32[P], marks uint8[P], a SparseReport
 // The routes region is bounded by the query chunk: a chunk holds at most

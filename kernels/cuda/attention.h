@@ -66,8 +66,8 @@ struct AttentionParams {
     int words = 0;                    // ⌈pages / 32⌉
     int first_page = 0;
     int n_blocks = 0;
-    float* mean_k = nullptr;          // [H, pages, d] page statistics (written by LaunchPageStats)
-    float* v_sum = nullptr;           // [H, pages, d]
+    uint16_t* mean_k = nullptr;       // [H, pages, d] bf16 page statistics (written by LaunchPageStats)
+    uint16_t* v_sum = nullptr;        // [H, pages, d] bf16
   } route;
 };
 

@@ -17,8 +17,9 @@ namespace kvpack::cuda::sm90 {
 // each entry's bits 14–15 saying which (kRoutedMember: bit c = group c); a group masks whole pages it
 // does not route. After the last window one more pass streams the union of the two blocks' pooled
 // pages, 64 per synthetic page (PageDesc::reserved = kSyntheticPage): K rows their mean keys, V rows
-// their V sums (bf16), built by the producers straight into the tiles; key j counts n_j tokens in the
-// softmax sum (weight) and is masked for a group that does not pool its page.
+// their V sums (the stored bf16 statistics, copied), built by the producers straight into the tiles;
+// key j counts n_j tokens in the softmax sum (weight) and is masked for a group that does not pool its
+// page.
 inline constexpr int kRoutedOffsetBits = 14;
 inline constexpr uint32_t kSyntheticPage = 4;
 
@@ -134,8 +135,8 @@ __device__ void NextSyntheticPage(const AttentionParams& p, int head, int s, Rou
   }
 }
 
-// All producer threads: the synthetic page's tiles from the statistics (rows past its count zero) and
-// its key table (bf16 keys: a_j = c, b_j = 0).
+// All producer threads: the synthetic page's tiles from the bf16 statistics, 16 bytes per load, copied
+// (rows past its count zero), and its key table (bf16 keys: a_j = c, b_j = 0).
 template <int kDim, int kStages>
 __device__ void BuildSyntheticTiles(const AttentionParams& p, int head, int count, const RoutedState<true, kStages>& state,
                                     uint8_t* k_tile, uint8_t* v_tile, float2* keys, float scale_log2, int ptid) {
@@ -150,12 +151,8 @@ __device__ void BuildSyntheticTiles(const AttentionParams& p, int head, int coun
       uint4 k8 = make_uint4(0, 0, 0, 0), v8 = make_uint4(0, 0, 0, 0);
       if (row < count) {
         const int64_t at = base + static_cast<int64_t>(state.pages[row]) * kDim + (b * 8 + u.c8) * 8;
-        const float4 ka = *reinterpret_cast<const float4*>(p.route.mean_k + at);
-        const float4 kb = *reinterpret_cast<const float4*>(p.route.mean_k + at + 4);
-        const float4 va = *reinterpret_cast<const float4*>(p.route.v_sum + at);
-        const float4 vb = *reinterpret_cast<const float4*>(p.route.v_sum + at + 4);
-        k8 = make_uint4(PackBf16(ka.x, ka.y), PackBf16(ka.z, ka.w), PackBf16(kb.x, kb.y), PackBf16(kb.z, kb.w));
-        v8 = make_uint4(PackBf16(va.x, va.y), PackBf16(va.z, va.w), PackBf16(vb.x, vb.y), PackBf16(vb.z, vb.w));
+        k8 = *reinterpret_cast<const uint4*>(p.route.mean_k + at);
+        v8 = *reinterpret_cast<const uint4*>(p.route.v_sum + at);
       }
       *reinterpret_cast<uint4*>(k_tile + u.TileOffset(r, b)) = k8;
       *reinterpret_cast<uint4*>(v_tile + u.TileOffset(r, b)) = v8;

@@ -5,10 +5,11 @@
 //   1. the exact pages, ascending, from the block's exact bitmask: raw copy (cp.async, two stages, the
 //      next page's bytes in flight), decode by the codec into bf16 tiles, S = Q·Kᵀ, masks, online
 //      softmax, O += P·V — the dense portable kernel's steps (attention_sm80_warp.cuh);
-//   2. the pooled pages, 64 at a time as one synthetic page: key j = mean_k of pooled page p_j (bf16),
-//      value j = v_sum / n_j, logit bias ln n_j — n_j tokens of logit s and value v_sum / n_j, the
-//      CPU's FoldPooled — masked past the group's count; no causal mask (a pooled page is fully
-//      visible to the block: PageFullyVisibleToBlock);
+//   2. the pooled pages, 64 at a time as one synthetic page: key j = mean_k of pooled page p_j (stored
+//      bf16, copied), value j = bf16(v_sum / n_j) (exact for a full page: n_j = 64), logit bias
+//      ln n_j — n_j tokens of logit s and value v_sum / n_j, the CPU's FoldPooled — masked past the
+//      group's count; no causal mask (a pooled page is fully visible to the block:
+//      PageFullyVisibleToBlock);
 //   3. the dense path's epilogue: 1/ℓ, Rᵀ, ×λ_v, +μ_v, bf16 rows of the output.
 #include <cuda_runtime.h>
 
@@ -122,8 +123,8 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
   // ── 2. Pooled pages, 64 per synthetic page ───────────────────────────────────────────────────
   AttentionParams pooled_params = p;
   pooled_params.visibility.causal = false;  // pooled pages are wholly visible to the block
-  const float* mean_k = chunk.attention.route.mean_k + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
-  const float* v_sum = chunk.attention.route.v_sum + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
+  const uint16_t* mean_k = chunk.attention.route.mean_k + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
+  const uint16_t* v_sum = chunk.attention.route.v_sum + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
   int from = 0;
   while (true) {
     __syncthreads();  // every warp is done with the tiles (and with group[] of the last round)
@@ -143,11 +144,10 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
       if (j < count) {
         const int64_t at = static_cast<int64_t>(group[j]) * kDim + c8 * 8;
         const float inv_n = 1.0f / static_cast<float>(p.kv.pages[group[j]].n_valid);
-        const float4 ka = *reinterpret_cast<const float4*>(mean_k + at), kb = *reinterpret_cast<const float4*>(mean_k + at + 4);
-        const float4 va = *reinterpret_cast<const float4*>(v_sum + at), vb = *reinterpret_cast<const float4*>(v_sum + at + 4);
-        k8 = make_uint4(PackBf16(ka.x, ka.y), PackBf16(ka.z, ka.w), PackBf16(kb.x, kb.y), PackBf16(kb.z, kb.w));
-        v8 = make_uint4(PackBf16(va.x * inv_n, va.y * inv_n), PackBf16(va.z * inv_n, va.w * inv_n),
-                        PackBf16(vb.x * inv_n, vb.y * inv_n), PackBf16(vb.z * inv_n, vb.w * inv_n));
+        k8 = *reinterpret_cast<const uint4*>(mean_k + at);  // 8 bf16 mean keys, as stored
+        const uint4 vs = *reinterpret_cast<const uint4*>(v_sum + at);  // 8 bf16 V sums
+        auto mean2 = [&](uint32_t two) { return PackBf16(Bf16Lo(two) * inv_n, Bf16Hi(two) * inv_n); };
+        v8 = make_uint4(mean2(vs.x), mean2(vs.y), mean2(vs.z), mean2(vs.w));
       }
       *reinterpret_cast<uint4*>(k_tile + j * T::kPitch + c8 * 8) = k8;
       *reinterpret_cast<uint4*>(v_tile + j * T::kPitch + c8 * 8) = v8;

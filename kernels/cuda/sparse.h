@@ -2,33 +2,39 @@
 // cpu/sparse_attention.h, which defines the algorithm (read its header first). Three kernels per layer:
 //
 //   LaunchPageStats   once per layer: per (head, page) mean_k = (1/n) Σ_j k̂_j and v_sum = Σ_j v̂_j of
-//                     the decoded stored rows, double sums in slot order rounded once — bit for bit
-//                     the CPU's ComputePageStats (sparse_route.cu is built without FMA contraction).
+//                     the decoded stored rows, double sums in slot order rounded to float, stored as
+//                     bf16 — bit for bit the CPU's ComputePageStats (sparse_route.cu is built without
+//                     FMA contraction; why bf16 and why the V sum: cpu/sparse_attention.h).
 //   LaunchRoutePages  per query chunk: the centroid of each block's stored queries; centroid · mean_k
 //                     of every (block, page) per head, tiled 32 blocks × 32 pages through shared
-//                     memory (double dots); then one CTA per (query block, head): the visible pages,
-//                     the forced pages, top-k or rel-tau, the floor — the CPU's RoutePages, bit for
-//                     bit — written as two bitmasks per (block, head): exact and pooled pages.
+//                     memory (double dots over the bf16 mean keys); then one CTA per (query block,
+//                     head): the visible pages, the forced pages, top-k or rel-tau, the floor — the
+//                     CPU's RoutePages, bit for bit — written as two bitmasks per (block, head): exact
+//                     and pooled pages.
 //   LaunchSparseAttention  per query chunk. On the wgmma kernel's GPUs (sm_90a) its routed instance
 //                     (attention_sm90.cu): a CTA takes two query blocks, one per consumer group, and
 //                     streams the union of their exact pages (each group masks the pages it does not
 //                     route), then the union of their pooled pages 64 at a time as synthetic bf16 pages
-//                     of mean keys and V sums, weighted by token count in the softmax sum. (Splitting one
-//                     block's pages over both groups instead measured 1.29x slower on H3: no ping-pong,
-//                     a merge at the end; bench/RESULTS.md, session 8.) Elsewhere
+//                     whose rows are the stored mean keys and V sums, copied, weighted by token count
+//                     in the softmax sum. (Splitting one block's pages over both groups instead
+//                     measured 1.29x slower on H3: no ping-pong, a merge at the end; bench/RESULTS.md,
+//                     session 8.) Elsewhere
 //                     one CTA of 4 warps × 16 rows per (query block, head)
 //                     (attention_sparse.cu, mma.sync, every arch): the exact pages in ascending order
 //                     (raw copy, codec decode, S = Q·Kᵀ, masks, online softmax, O += P·V), then the
 //                     pooled pages 64 at a time as one synthetic page of mean keys (bf16) with values
-//                     v_sum / n and a logit bias ln n (n tokens of logit s and value v_sum / n, the
+//                     bf16(v_sum / n) and a logit bias ln n (n tokens of logit s and value v_sum / n, the
 //                     CPU's FoldPooled), then the dense path's epilogue (Rᵀ, ×λ_v, +μ_v, bf16).
-// Results equal the CPU reference's routing exactly and its outputs to rounding (bf16 tiles and
-// mean keys, fold order); tests/kernels/cuda_sparse_test.cc holds both to that.
+// Results equal the CPU reference's routing exactly and its outputs to rounding (bf16 tiles, bf16 P,
+// fold order); tests/kernels/cuda_sparse_test.cc holds both to that.
 //
-// Memory (SparseRegionBytes, part of the layer's workspace while it attends): the statistics
-// float [H, P, d] × 2, the range flags, exact and pooled bitmasks uint32 [blocks per chunk, H, ⌈P/32⌉]
-// each, three uint64 tallies, the chunk's centroids float [blocks, H, d] and scores float [blocks, H, P]. The route kernel sorts one (block, head)'s scores in shared memory:
-// 8 bytes per page rounded up to a power of two, so entries have at most kMaxSparsePagesGpu pages.
+// Memory (PlanSparseRegion, part of the layer's workspace while it attends): the statistics
+// bf16 [H, P, d] × 2, the range flags, exact and pooled bitmasks uint32 [blocks per chunk, H, ⌈P/32⌉]
+// each, three uint64 tallies, the chunk's centroids float [blocks, H, d] and scores float [blocks, H, P].
+// H3 (N = 152,263: P = 2380, 56 heads × 128; Tq 4224: 68 blocks): statistics 68.2 MB (136.5 as
+// float), scores 36.3 MB, bitmasks 2.3 MB, centroids 1.9 MB — 108.7 MB. The route kernel sorts one
+// (block, head)'s scores in shared memory: 8 bytes per page rounded up to a power of two, so entries
+// have at most kMaxSparsePagesGpu pages.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -73,7 +79,7 @@ void BindSparseRegion(const SparseRegion& r, uint8_t* region, SparseChunk* chunk
 inline constexpr uint8_t kSparseRangeAlwaysAttend = 1;  // = cpu::kRangeAlwaysAttend
 inline constexpr uint8_t kSparseRangeAttendDensely = 2; // = cpu::kRangeAttendDensely
 
-Error LaunchPageStats(const KvEntryView& kv, float* mean_k, float* v_sum, cudaStream_t stream);
+Error LaunchPageStats(const KvEntryView& kv, uint16_t* mean_k, uint16_t* v_sum, cudaStream_t stream);
 Error LaunchRoutePages(const SparseChunk& chunk, cudaStream_t stream);
 Error LaunchSparseAttention(const SparseChunk& chunk, cudaStream_t stream);
 

@@ -48,8 +48,9 @@ __device__ __forceinline__ float DecodeElement(const uint8_t* page, int d, int s
   }
 }
 
-// One CTA per (page, head), one thread per channel: the slots in order, in double.
-__global__ void PageStatsKernel(const KvEntryView kv, float* mean_k, float* v_sum) {
+// One CTA per (page, head), one thread per channel: the slots in order, in double; rounded to float,
+// then to bf16 (format.h's FloatToBf16, the CPU's very code).
+__global__ void PageStatsKernel(const KvEntryView kv, uint16_t* mean_k, uint16_t* v_sum) {
   const int pg = blockIdx.x, h = blockIdx.y, c = threadIdx.x, d = kv.head_dim;
   const int64_t item = static_cast<int64_t>(h) * kv.n_pages + pg;
   const PageDesc page = kv.pages[pg];
@@ -64,8 +65,8 @@ __global__ void PageStatsKernel(const KvEntryView kv, float* mean_k, float* v_su
     }
     return 0;
   });
-  mean_k[item * d + c] = static_cast<float>(k_acc / page.n_valid);
-  v_sum[item * d + c] = static_cast<float>(v_acc);
+  mean_k[item * d + c] = FloatToBf16(static_cast<float>(k_acc / page.n_valid));
+  v_sum[item * d + c] = FloatToBf16(static_cast<float>(v_acc));
 }
 
 // ── Routing ─────────────────────────────────────────────────────────────────────────────────────
@@ -136,7 +137,8 @@ __global__ void CentroidKernel(const AttentionParams p, float* centroids) {
 }
 
 // Dots centroid · mean_k of every (block, page) of a head: scores[b, h, pg], each a double sum over the
-// channels in order rounded to float (the CPU's DotDouble), not yet scaled. A CTA takes kScoreBlocks
+// channels in order of the float centroid times the bf16 mean key, rounded to float (the CPU's
+// DotBf16), not yet scaled. A CTA takes kScoreBlocks
 // blocks × kScorePages pages of one head through shared memory, so each mean key is read once per
 // kScoreBlocks blocks (one CTA per (block, head) reading all of them took 0.2 s on H3's layer).
 constexpr int kScoreBlocks = 32, kScorePages = 32, kScoreThreads = 256;  // 33 KB of static shared memory
@@ -154,7 +156,7 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(const AttentionPara
   }
   for (int u = tid; u < kScorePages * kDim; u += kScoreThreads) {
     const int r = u / kDim, c = u % kDim;
-    keys[r][c] = pg0 + r < P ? p.route.mean_k[(static_cast<int64_t>(h) * P + pg0 + r) * kDim + c] : 0.0f;
+    keys[r][c] = pg0 + r < P ? Bf16ToFloat(p.route.mean_k[(static_cast<int64_t>(h) * P + pg0 + r) * kDim + c]) : 0.0f;
   }
   __syncthreads();
   const int rb = tid / (kScorePages / kScorePerThread), rp = tid % (kScorePages / kScorePerThread);
@@ -309,8 +311,8 @@ SparseRegion PlanSparseRegion(const LayerConfig& c) {
   const uint64_t blocks = SparseBlocksPerChunk(c);
   r.words = static_cast<int>((P + 31) / 32);
   r.mean_k = 0;
-  r.v_sum = AlignUp(r.mean_k + H * P * d * sizeof(float));
-  r.flags = AlignUp(r.v_sum + H * P * d * sizeof(float));
+  r.v_sum = AlignUp(r.mean_k + H * P * d * sizeof(uint16_t));
+  r.flags = AlignUp(r.v_sum + H * P * d * sizeof(uint16_t));
   r.exact_bits = AlignUp(r.flags + c.ranges.size());
   r.pooled_bits = AlignUp(r.exact_bits + blocks * H * r.words * sizeof(uint32_t));
   r.tallies = AlignUp(r.pooled_bits + blocks * H * r.words * sizeof(uint32_t));
@@ -322,8 +324,8 @@ SparseRegion PlanSparseRegion(const LayerConfig& c) {
 
 void BindSparseRegion(const SparseRegion& r, uint8_t* region, SparseChunk* chunk) {
   AttentionParams::Route& route = chunk->attention.route;
-  route.mean_k = reinterpret_cast<float*>(region + r.mean_k);
-  route.v_sum = reinterpret_cast<float*>(region + r.v_sum);
+  route.mean_k = reinterpret_cast<uint16_t*>(region + r.mean_k);
+  route.v_sum = reinterpret_cast<uint16_t*>(region + r.v_sum);
   route.exact_bits = reinterpret_cast<uint32_t*>(region + r.exact_bits);
   route.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
   route.words = r.words;
@@ -344,7 +346,7 @@ Error SparseSupported(const LayerConfig& c) {
   return Error::Ok();
 }
 
-Error LaunchPageStats(const KvEntryView& kv, float* mean_k, float* v_sum, cudaStream_t stream) {
+Error LaunchPageStats(const KvEntryView& kv, uint16_t* mean_k, uint16_t* v_sum, cudaStream_t stream) {
   if (kv.n_pages <= 0) return Error::Ok();
   PageStatsKernel<<<dim3(kv.n_pages, kv.n_heads), kv.head_dim, 0, stream>>>(kv, mean_k, v_sum);
   KVPACK_CUDA_RETURN_LAUNCH("sparse page statistics");

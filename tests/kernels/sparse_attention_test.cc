@@ -12,6 +12,7 @@
 
 #include "kernels/cpu/locality_data.h"
 #include "kernels/cpu/quality.h"
+#include "kernels/page_codec.h"
 
 namespace kvpack::cpu {
 namespace {
@@ -140,6 +141,43 @@ TEST(SparseAttention, FullTopKIsDenseBitForBit) {
   EXPECT_EQ(0, memcmp(dense.data(), sparse.data(), dense.size() * sizeof(float)));
 }
 
+// The statistics are the bf16 rounding (FloatToBf16) of the float mean key and V sum of each page's
+// decoded rows (double sums in slot order, rounded to float), recomputed here from DecodePageRow:
+// every format, partial pages, two sequences; 4·d bytes per (page, head).
+TEST(SparseAttention, PageStatsAreTheBf16RoundingOfTheFloatMeanAndSum) {
+  const LocalityOptions o = SmallGrid();
+  const int64_t n = o.Tokens();
+  const SyntheticData data = MakeLocalityData(o);
+  const Entry e = Pack(data, n, o.n_heads, o.head_dim,
+                       {{0, 77, 0, PageFormat::kBf16}, {77, 1000, 0, PageFormat::kInt4},
+                        {1000, n, 1, PageFormat::kInt8}});
+  const KvEntryView kv = e.View();
+  const int P = kv.n_pages, d = kv.head_dim;
+  EXPECT_EQ(PageStatsBytes(kv.n_heads, d, P), 4ull * d * P * kv.n_heads);
+  std::vector<uint16_t> mean_k(static_cast<size_t>(kv.n_heads) * P * d), v_sum(mean_k.size());
+  ComputePageStats(kv, mean_k.data(), v_sum.data(), CpuOptions{kThreads});
+  int64_t differ = 0, inexact = 0;
+  for (int64_t item = 0; item < static_cast<int64_t>(kv.n_heads) * P; ++item) {
+    const PageDesc& page = kv.pages[item % P];
+    const PageFormat format = static_cast<PageFormat>(page.format);
+    std::vector<double> k_acc(d, 0.0), v_acc(d, 0.0);
+    std::vector<float> row(d);
+    for (int j = 0; j < page.n_valid; ++j) {
+      DecodePageRow(format, kv.pool + kv.k_offsets[item], d, j, row.data());
+      for (int c = 0; c < d; ++c) k_acc[c] += row[c];
+      DecodePageRow(format, kv.pool + kv.v_offsets[item], d, j, row.data());
+      for (int c = 0; c < d; ++c) v_acc[c] += row[c];
+    }
+    for (int c = 0; c < d; ++c) {
+      const float mean = static_cast<float>(k_acc[c] / page.n_valid), sum = static_cast<float>(v_acc[c]);
+      differ += mean_k[item * d + c] != FloatToBf16(mean) || v_sum[item * d + c] != FloatToBf16(sum);
+      inexact += Bf16ToFloat(mean_k[item * d + c]) != mean;
+    }
+  }
+  EXPECT_EQ(differ, 0);
+  EXPECT_GT(inexact, 0) << "the means are rounded (not already bf16 values)";
+}
+
 // Routes of every (block, head) of an entry whose queries are its own tokens (a block = a page).
 struct Route {
   std::vector<int32_t> exact, pooled;
@@ -148,7 +186,7 @@ struct Route {
 std::vector<Route> RouteAll(const Entry& e, const SyntheticData& data, const AttentionOptions& attention) {
   const KvEntryView kv = e.View();
   const int P = kv.n_pages, d = kv.head_dim;
-  std::vector<float> mean_k(static_cast<size_t>(kv.n_heads) * P * d), v_sum(mean_k.size());
+  std::vector<uint16_t> mean_k(static_cast<size_t>(kv.n_heads) * P * d), v_sum(mean_k.size());
   ComputePageStats(kv, mean_k.data(), v_sum.data(), CpuOptions{kThreads});
   const std::vector<uint8_t> flags = RangeFlags(e.ranges);
   std::vector<Route> routes;
