@@ -105,7 +105,7 @@ TEST(SparseLayer, SupportedNamesTheSparseField) {
 }
 
 // The GPU routing kernel's shared memory (sparse_plan.h), the figure the CUDA backend checks against
-// a GPU's per-block limit: H3's 2,379 pages sort 4,096 keys; a 99 KB consumer GPU (101,376 bytes
+// a GPU's per-block limit: H3's 2,380 pages sort 4,096 keys; a 99 KB consumer GPU (101,376 bytes
 // per block) routes 8,192 pages and refuses 8,193.
 TEST(SparsePlan, RouteSharedBytesBoundTheEntryPerGpu) {
   constexpr int kConsumerBlockBytes = 101376;
