@@ -1,7 +1,8 @@
 // Fuzz target: one whole AttentionLayer call through the real service (gRPC reactor, conversion,
 // limits, planner, scheduler, executor, CPU backend) on an in-process channel.
 //
-// Input: one flags byte (Flags below; kUnary sends the header over AttentionLayerRegions), then a
+// Input: one flags byte (Flags below; kUnary sends the header over AttentionLayerRegions; without
+// kChooseDefault an unset per-head transform choice is turned off), then a
 // v1::LayerHeader (wire bytes, or 't' + text format: ParseInput).
 // The harness registers weights that match the header's shape (flags: bias, QK-norm weights of d
 // or H·d, whether the header names them), streams every inline tensor the header declares (seeded
@@ -45,7 +46,13 @@ enum Flags : uint8_t {
   kNormPerHead = 4,    // q/k norm weights of H·d values (wins over kNormShared)
   kUseWeights = 8,     // put the registered handle into header.weights_handle
   kUnary = 16,         // send the header over the unary AttentionLayerRegions instead of the stream
+  kChooseDefault = 32, // leave an unset transforms.choose_per_head at the daemon's default (on)
 };
+// Without kChooseDefault the harness turns an unset choose_per_head off. The choice's host evaluator
+// (pure arithmetic, held bit for bit by transform_choice_test and cuda_head_choice_test) costs tens
+// of milliseconds per head under ASan at the service's largest shapes, 100x the rest of a call; with
+// it on by default the corpus drifted to those shapes and the target ran at ~150 execs/s per core
+// (bench/RESULTS.md, session 9). The bit keeps the path one mutation away.
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "layer_fuzz: %s\n", what.c_str());
@@ -89,6 +96,8 @@ class Harness {
     std::string weights;
     if (!header.has_projected()) weights = RegisterWeights(header.shape(), flags, seed);
     if (flags & kUseWeights) header.set_weights_handle(weights);
+    v1::TransformOptions* transforms = header.mutable_options()->mutable_transforms();
+    if (!(flags & kChooseDefault) && !transforms->has_choose_per_head()) transforms->set_choose_per_head(false);
     const std::string kept = (flags & kUnary) ? CallUnary(header) : Call(header, seed);
     if (!kept.empty()) Release(kept, /*weights=*/false);
     if (!weights.empty()) Release(weights, /*weights=*/true);
