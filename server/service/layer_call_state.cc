@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "server/service/convert.h"
 #include "server/service/service.h"
+#include "server/service/status_map.h"
 
 namespace kvpack::server {
 namespace {
@@ -529,7 +530,7 @@ bool LayerCallState::FinishOnce(absl::Status status, grpc::Status* out) {
     status = absl::DeadlineExceededError(status.message());
   }
   if (short_upload_ && !status.ok()) {
-    *out = service_->FinishedShortUpload(status);
+    *out = ToGrpcStatus(status);  // counted in OnDone
     uncounted_ = out->error_code();
   } else {
     *out = service_->Finished(method_, status);

@@ -79,7 +79,7 @@ class LayerCallState {
   // exactly one Finish per call.
   bool FinishOnce(absl::Status status, grpc::Status* out);
   // From the reactor's OnDone: counts a call that FinishOnce left uncounted (an upload that ended
-  // short: KvpackService::FinishedShortUpload).
+  // short: KvpackService::RecordShortUpload).
   void OnDone();
 
  private:

@@ -54,8 +54,6 @@ grpc::Status KvpackService::Finished(const char* method, const absl::Status& sta
   return out;
 }
 
-grpc::Status KvpackService::FinishedShortUpload(const absl::Status& status) { return ToGrpcStatus(status); }
-
 void KvpackService::RecordShortUpload(const char* method, grpc::StatusCode finished,
                                       const grpc::CallbackServerContext& context) {
   const grpc::StatusCode counted = context.IsCancelled() ? grpc::StatusCode::CANCELLED : finished;

@@ -59,9 +59,8 @@ class KvpackService final : public v1::Kvpack::CallbackService {
   grpc::Status Finished(const char* method, const absl::Status& status);
   // A stream whose upload ended short: a client that half-closed early (INVALID_ARGUMENT) and one
   // whose connection died mid-upload can look the same to the daemon when the stream's end is seen
-  // before the cancellation. Only in OnDone does gRPC say which (IsCancelled is reliable there), so
-  // such a call converts its status here and is counted by RecordShortUpload from its OnDone.
-  grpc::Status FinishedShortUpload(const absl::Status& status);
+  // before the cancellation. Only in OnDone does gRPC say which (IsCancelled is settled there), so
+  // such a call finishes with ToGrpcStatus alone and is counted here from its OnDone.
   void RecordShortUpload(const char* method, grpc::StatusCode finished, const grpc::CallbackServerContext& context);
 
   grpc::ServerReadReactor<v1::WeightsRequest>* RegisterWeights(grpc::CallbackServerContext* context,

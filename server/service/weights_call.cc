@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/service/service.h"
+#include "server/service/status_map.h"
 #include "server/service/upload.h"
 
 namespace kvpack::server {
@@ -191,8 +192,8 @@ class WeightsCall final : public grpc::ServerReadReactor<v1::WeightsRequest> {
     if (finished_) return;
     finished_ = true;
     if (!status.ok()) entry_.reset();  // frees the pool block at once
-    if (short_upload_) {  // counted in OnDone (KvpackService::FinishedShortUpload)
-      const grpc::Status out = service_->FinishedShortUpload(status);
+    if (short_upload_) {  // counted in OnDone (KvpackService::RecordShortUpload)
+      const grpc::Status out = ToGrpcStatus(status);
       uncounted_ = out.error_code();
       Finish(out);
       return;
