@@ -152,6 +152,10 @@ TEST_F(LayerLimitsTest, AnObjectTruncatedWhileALayerWritesItFailsTheCallNotTheDa
   h.mutable_output()->set_mode(v1::OUTPUT_REGION);
   h.mutable_output()->mutable_region()->set_region_id(*region);
   h.mutable_output()->mutable_region()->set_size_bytes(out_bytes);
+  // Without the per-head transform choice: on the CPU backend it multiplies the layer's time (69 s
+  // under ASan on a loaded 2-core machine, past the call's deadline), and this test needs only a
+  // layer that runs long enough to be caught running.
+  h.mutable_options()->mutable_transforms()->set_choose_per_head(false);
   absl::StatusOr<v1::LayerResult> r;
   std::thread layer([&] {
     std::vector<uint16_t> unused;
