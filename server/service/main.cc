@@ -231,8 +231,9 @@ int Main(int argc, char** argv) {
   server->Wait();
   // Every call has ended, but the last statuses may still sit in their transports' write queues:
   // tearing the server down at once lost one now and then (the client saw UNAVAILABLE, "Connection
-  // reset by peer", in ~1 of 11 runs of daemon_test's DrainsInFlightWorkOnSigterm under load).
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // reset by peer", in ~1 of 11 runs of daemon_test's DrainsInFlightWorkOnSigterm under load). 200 ms
+  // still lost one in a CI run on 2 cores (2026-12-04): the client must be scheduled to read it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
   server.reset();
   std::fprintf(stderr, "kvpackd: drained; exiting\n");
   // Every call has finished and every job has run; the pool and mappings go with the process. The
