@@ -18,17 +18,11 @@ import math
 
 import numpy as np
 
-M32 = 0xFFFFFFFF
+from bench_hash import hash24  # bench_layer's seeded inputs (bench/bench_inputs.h)
 
 
 def uniform(stream, idx):
-    h = ((idx + stream * 0x9E3779B) * 0x2545F491) & M32
-    h ^= h >> 16
-    h = (h * 0x3B9ACA07) & M32
-    h ^= h >> 15
-    h = (h * 0x2C1B3C6D) & M32
-    h ^= h >> 16
-    return (h >> 8).astype(np.float64) * (1.0 / 16777216.0)
+    return hash24(stream, idx).astype(np.float64) * (1.0 / 16777216.0)
 
 
 def bf16(a):

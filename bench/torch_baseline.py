@@ -18,17 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-M32 = 0xFFFFFFFF
-
+from bench_hash import hash24  # noqa: E402  (bench/, on sys.path when run or imported from there)
 
 def uniform(stream, idx):
-    h = ((idx + stream * 0x9E3779B) * 0x2545F491) & M32
-    h ^= h >> 16
-    h = (h * 0x3B9ACA07) & M32
-    h ^= h >> 15
-    h = (h * 0x2C1B3C6D) & M32
-    h ^= h >> 16
-    return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    return hash24(stream, idx).to(torch.float32) * (1.0 / 16777216.0)
 
 
 def make_inputs(n, hidden, heads, dim, dev):
