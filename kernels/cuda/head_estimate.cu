@@ -1,7 +1,7 @@
 // The per-head transform choice on the GPU (head_choice.h): one CTA per head runs the shared decision
 // (transform_select.h SelectHeadTransforms) with an evaluator whose sums run in the host evaluator's
-// order — one thread per sum, each sum sequential — through the same row functions (StoredRowOf,
-// StoredQueryOf, QueryErrorOf) and ChoiceExp. Built with --fmad=false (CMakeLists.txt): with
+// order — one thread per sum, each sum sequential — through the same row arithmetic (StoredRowOf and
+// StoredQueryOf a warp per row below, QueryErrorOf as it is) and ChoiceExp. Built with --fmad=false (CMakeLists.txt): with
 // contraction a·b + c would round once instead of twice and the estimates would drift from the host's
 // by an ulp, which can flip a choice between near-equal candidates.
 #include <cuda_runtime.h>
@@ -19,6 +19,150 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kMaxDim = 128;  // head_dim 64 or 128 on the GPU
 constexpr int kQPitch = kMaxDim + 1;
+
+// ── Stored rows, a warp per row ─────────────────────────────────────────────────────────────────
+// transform_select.h's StoredRowOf / StoredQueryOf with the row spread over a warp: lane l holds
+// channels l, l + 32, l + 64, l + 96 (d = 128; the first two for d = 64) in registers. One thread per
+// row kept x[256] and codes[512] in local memory, which Nsight Compute put at 43% of the kernel's
+// time (bench/RESULTS.md, session 9). Every value is the same arithmetic on the same operands as the
+// host's: the element-wise steps are; each Walsh–Hadamard butterfly is a + b on the lower channel and
+// a − b on the upper one whichever lane computes it; and the row's min, max and max|x| are the same
+// in any order (a signed zero aside, which changes no decoded value).
+constexpr int kLanePer = kMaxDim / 32;  // channels per lane
+
+struct WarpRow {
+  float x[kLanePer];
+  int per = 0;  // d / 32
+  int lane = 0;
+  __device__ int Channel(int t) const { return lane + 32 * t; }
+};
+
+// x ← R · x (rotation.h RotateForward): signs, the butterflies for len = 1 … d/2, then 1/√d.
+__device__ void WarpRotateForward(WarpRow& r, int d, uint64_t seed) {
+#pragma unroll
+  for (int t = 0; t < kLanePer; ++t) {
+    if (t < r.per) r.x[t] *= RotationSign(seed, r.Channel(t));
+  }
+  for (int len = 1; len < 32 && len < d; len <<= 1) {  // partner channel in lane ^ len
+    const bool upper = r.lane & len;
+#pragma unroll
+    for (int t = 0; t < kLanePer; ++t) {
+      const float other = __shfl_xor_sync(0xffffffffu, r.x[t], len);
+      if (t < r.per) r.x[t] = upper ? other - r.x[t] : r.x[t] + other;
+    }
+  }
+#pragma unroll
+  for (int step = 1; step < kLanePer; step <<= 1) {  // len = 32·step: partner in x[t + step]
+    if (step >= r.per) break;
+#pragma unroll
+    for (int t = 0; t < kLanePer; ++t) {
+      if (t + step < r.per && !(t & step)) {
+        const float a = r.x[t], b = r.x[t + step];
+        r.x[t] = a + b;
+        r.x[t + step] = a - b;
+      }
+    }
+  }
+  const float norm = 1.0f / sqrtf(static_cast<float>(d));
+#pragma unroll
+  for (int t = 0; t < kLanePer; ++t) {
+    if (t < r.per) r.x[t] *= norm;
+  }
+}
+
+__device__ float WarpMin(float v) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = o < v ? o : v;
+  }
+  return v;
+}
+__device__ float WarpMax(float v) {
+  for (int off = 16; off > 0; off >>= 1) {
+    const float o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = o > v ? o : v;
+  }
+  return v;
+}
+
+// StoredRowOf: (row − μ) / λ, rotated, through `format`'s encoder and decoder, into out [d].
+__device__ void WarpStoredRow(const float* row, int d, const float* mu, const float* lambda, bool rotate,
+                              uint64_t seed, PageFormat format, int lane, float* out) {
+  WarpRow r;
+  r.per = d / 32;
+  r.lane = lane;
+#pragma unroll
+  for (int t = 0; t < kLanePer; ++t) {
+    const int c = r.Channel(t);
+    if (t < r.per) r.x[t] = (row[c] - mu[c]) / lambda[c];
+  }
+  if (rotate) WarpRotateForward(r, d, seed);
+  switch (format) {
+    case PageFormat::kInt4: {  // EncodeRowInt4 + DecodeRowInt4
+      float mn = r.x[0], mx = r.x[0];
+#pragma unroll
+      for (int t = 1; t < kLanePer; ++t) {
+        if (t < r.per) mn = r.x[t] < mn ? r.x[t] : mn, mx = r.x[t] > mx ? r.x[t] : mx;
+      }
+      mn = WarpMin(mn);
+      mx = WarpMax(mx);
+      const uint16_t scale_bits = RowScaleToHalf(ClampToHalfRange((mx - mn) / 15.0f), mx - mn);
+      const uint16_t lo_bits = FloatToHalf(ClampToHalfRange(mn));
+      const float scale = HalfToFloat(scale_bits);
+      const float lo = HalfToFloat(lo_bits);
+      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+#pragma unroll
+      for (int t = 0; t < kLanePer; ++t) {
+        if (t >= r.per) continue;
+        float c = rintf((r.x[t] - lo) * inv);
+        c = c < 0.0f ? 0.0f : (c > 15.0f ? 15.0f : c);
+        out[r.Channel(t)] = lo + static_cast<float>(static_cast<uint32_t>(c)) * scale;
+      }
+      break;
+    }
+    case PageFormat::kInt8: {  // EncodeRowInt8 + DecodeRowInt8
+      float amax = 0.0f;
+#pragma unroll
+      for (int t = 0; t < kLanePer; ++t) {
+        if (t < r.per) amax = fabsf(r.x[t]) > amax ? fabsf(r.x[t]) : amax;
+      }
+      amax = WarpMax(amax);
+      const float scale = HalfToFloat(RowScaleToHalf(ClampToHalfRange(amax / 127.0f), amax));
+      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+#pragma unroll
+      for (int t = 0; t < kLanePer; ++t) {
+        if (t >= r.per) continue;
+        float c = rintf(r.x[t] * inv);
+        c = c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c);
+        out[r.Channel(t)] = static_cast<float>(static_cast<int8_t>(c)) * scale;
+      }
+      break;
+    }
+    case PageFormat::kBf16:
+#pragma unroll
+      for (int t = 0; t < kLanePer; ++t) {
+        if (t < r.per) out[r.Channel(t)] = Bf16ToFloat(FloatToBf16(r.x[t]));
+      }
+      break;
+  }
+}
+
+// StoredQueryOf: q ⊙ λ, rotated, rounded to bf16, into out [d].
+__device__ void WarpStoredQuery(const float* q, int d, const float* lambda, bool rotate, uint64_t seed, int lane,
+                                float* out) {
+  WarpRow r;
+  r.per = d / 32;
+  r.lane = lane;
+#pragma unroll
+  for (int t = 0; t < kLanePer; ++t) {
+    if (t < r.per) r.x[t] = q[r.Channel(t)] * lambda[r.Channel(t)];
+  }
+  if (rotate) WarpRotateForward(r, d, seed);
+#pragma unroll
+  for (int t = 0; t < kLanePer; ++t) {
+    if (t < r.per) out[r.Channel(t)] = Bf16ToFloat(FloatToBf16(r.x[t]));
+  }
+}
 
 // Channel rows in shared memory: the candidate's μ_k, λ, μ_v, λ_v, then zeros and ones.
 enum RowIndex { kMuK = 0, kLambda, kMuV, kLambdaV, kZeros, kOnes, kRowCount };
@@ -60,9 +204,10 @@ struct DeviceEstimator {
 
   // Stored rows of K or V (source rows kv_stride apart) into out [n_k, d]; f < 0: each key's own format.
   __device__ void StoredRows(const float* src, const float* mu, const float* lambda, int f, float* out) {
-    for (int j = threadIdx.x; j < a.n_k; j += blockDim.x) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int j = warp; j < a.n_k; j += kThreads / 32) {
       const PageFormat format = static_cast<PageFormat>(f < 0 ? a.formats[j] : f);
-      StoredRowOf(src + j * a.kv_stride, a.d, mu, lambda, a.rotate, a.seed, format, out + j * a.d);
+      WarpStoredRow(src + j * a.kv_stride, a.d, mu, lambda, a.rotate, a.seed, format, lane, out + j * a.d);
     }
     __syncthreads();
   }
@@ -178,8 +323,8 @@ struct DeviceEstimator {
 
   // Probabilities through the candidate's K side (rows already set) into s.p.
   __device__ void KProbabilities(int f) {
-    for (int i = threadIdx.x; i < a.n_q; i += blockDim.x) {
-      StoredQueryOf(Q() + i * a.q_stride, a.d, Row(kLambda), a.rotate, a.seed, s.q + i * a.d);
+    for (int i = threadIdx.x / 32; i < a.n_q; i += kThreads / 32) {
+      WarpStoredQuery(Q() + i * a.q_stride, a.d, Row(kLambda), a.rotate, a.seed, threadIdx.x % 32, s.q + i * a.d);
     }
     StoredRows(K(), Row(kMuK), Row(kLambda), f, s.k);  // its barrier also publishes s.q
     Probabilities(s.q, a.d, s.k, a.d, s.p);
