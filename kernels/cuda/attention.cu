@@ -78,8 +78,6 @@ Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingCh
   return ResolveAttentionTiling(head_dim, max_page_bytes, AttentionTilingChoice::kAuto, resolved);
 }
 
-bool TilingHasInt8Mma(AttentionTilingChoice tiling) { return tiling == AttentionTilingChoice::kWgmma; }
-
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream) {
   KVPACK_RETURN_IF_ERROR(AttentionSupported(params.kv));
   if (params.n_q == 0) return Error::Ok();
@@ -87,9 +85,6 @@ Error LaunchAttention(const AttentionParams& params, cudaStream_t stream) {
   KVPACK_RETURN_IF_ERROR(Resolve(params, &tiling));
   if (params.mma != MmaPath::kBf16 && params.mma != MmaPath::kInt8) {
     return InvalidArgument("attention: mma path " + std::string(MmaPathName(params.mma)) + " is not resolved");
-  }
-  if (params.mma == MmaPath::kInt8 && !TilingHasInt8Mma(tiling)) {
-    return Unsupported("attention: the INT8 MMA path runs on the wgmma kernel only");
   }
   if (tiling == AttentionTilingChoice::kWgmma) return LaunchAttentionSm90(params, stream);
   return LaunchAttentionSm80(params, tiling, stream);

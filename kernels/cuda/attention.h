@@ -10,7 +10,8 @@
 //   attention_sm90.cu (kWgmma, the default): Hopper's wgmma; two producer warp groups bulk-copy
 //     pages and decode K and V into a ring of swizzled tiles, two consumer warp groups of 64 rows
 //     multiply (FlashAttention-3's split: attention_sm90_*.cuh).
-//   attention_sm80_mma.cu (kTall, kWide): mma.sync m16n8k16 from ldmatrix fragments; every warp decodes.
+//   attention_sm80_mma.cu (kTall, kWide): mma.sync m16n8k16 from ldmatrix fragments (S in m16n8k32 s8
+//     on the INT8 MMA path); every warp decodes.
 // attention_device.cuh holds what both share (tile scheduler, visibility, the output rows).
 //
 // Queries are the chunk's tokens: query i of the launch is token q_token_begin + i, with that
@@ -35,9 +36,9 @@ inline constexpr int kTileQueries = 128;
 // Which kernel and warp layout run the 128 query rows of a CTA: kernels/kernel_choice.h, the one
 // place that chooses (kAuto, kMmaSync) and checks a forced choice against the GPU (kTall, kWide,
 // kWgmma). kTall: mma.sync, 4 warps × 32 rows, two CTAs per SM — every K/V fragment read from
-// shared memory feeds two MMAs (H200, N = 32768, INT4: 200 TFLOP/s). kWide: mma.sync, 8 warps × 16
-// rows, one CTA per SM (166 TFLOP/s there, but 200 with BF16 pages, whose 64 KiB raw stages leave
-// room for only one kTall CTA: 148). kWgmma: Hopper's wgmma, two producer warp groups decoding pages
+// shared memory feeds two MMAs (H200, N = 32768, INT4: 293 TFLOP/s on the INT8 MMA path, 275 on
+// bf16; session 10). kWide: mma.sync, 8 warps × 16 rows, one CTA per SM (215 TFLOP/s with BF16 pages,
+// whose 64 KiB raw stages leave room for only one kTall CTA). kWgmma: Hopper's wgmma, two producer warp groups decoding pages
 // and two consumer warp groups of 64 rows (attention_sm90.cu; bench/RESULTS.md runs 4–12: 358
 // TFLOP/s over INT4), only on sm_90 in a binary built with 90a.
 using ::kvpack::AttentionTilingChoice;
@@ -54,8 +55,8 @@ struct AttentionParams {
   Visibility visibility;         // which keys each query sees (kernels/visibility.h)
   int max_page_bytes = 0;        // largest page of the entry's formats (sizes the raw stages)
   AttentionTilingChoice tiling = AttentionTilingChoice::kAuto;
-  // The resolved MMA path (ResolveMmaPath: kBf16 or kInt8). kInt8 runs on the wgmma kernel only and
-  // REQUIRES that no page is BF16 (LaunchAttention checks the first, the caller the second).
+  // The resolved MMA path (ResolveMmaPath: kBf16 or kInt8). kInt8 (both kernels: wgmma and mma.sync
+  // m16n8k32) REQUIRES that no page is BF16 (the caller's check: ResolveMmaPath).
   MmaPath mma = MmaPath::kBf16;
   // Block-sparse launches (sparse.h) only: the routing of the chunk's query blocks. A routed launch
   // takes query block b = the queries of page first_page + b (n_blocks of them) instead of n_q rows
@@ -84,9 +85,6 @@ Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingCh
                              AttentionTilingChoice* resolved);
 Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingChoice* resolved);
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream);
-// Whether `tiling` (kAuto resolved) runs the INT8 MMA path (the wgmma kernel; the mma.sync kernels
-// have only the bf16 one so far).
-bool TilingHasInt8Mma(AttentionTilingChoice tiling);
 
 // Query rows whose launches fill whole waves of the GPU: a launch runs ⌈n_q / kTileQueries⌉ · heads
 // CTAs, of which SMs × (CTAs per SM of the kernel `params` resolves to) run at once, so a multiple of

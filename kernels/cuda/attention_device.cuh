@@ -2,6 +2,7 @@
 // warp-specialised wgmma). Internal to kernels/cuda: include only from .cu files.
 //
 //   SmemAddr              a shared-memory address for PTX
+//   Exp2Ftz               2^x in one MUFU.EX2 (denormal results flushed)
 //   QueryTileCoords       the tile scheduler: which query tile and head a CTA takes
 //   QueryRuns             sequence id of every query row and the runs of equal ids (visibility)
 //   CollectVisiblePages   the pages of a window that some query of the tile may see, in page order
@@ -24,6 +25,15 @@ namespace kvpack::cuda {
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ── Math ────────────────────────────────────────────────────────────────────────────────────────
+// ex2.approx with denormals flushed: one MUFU.EX2 (exp2f adds a range check and two multiplies to
+// keep denormal results, which an attention weight below 2^-126 does not need). ex2(−inf) = +0.
+__device__ __forceinline__ float Exp2Ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // ── Tile scheduler ──────────────────────────────────────────────────────────────────────────────

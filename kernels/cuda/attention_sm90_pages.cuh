@@ -1,5 +1,5 @@
 // The producer side of the sm90 attention kernel (attention_sm90.cu): who decodes which part of a tile,
-// the INT4 decode in bf16x2 arithmetic, the decode of a raw page into the swizzled bf16 K and V tiles
+// the decode of a raw page into the swizzled bf16 K and V tiles
 // that wgmma reads and the page's key table, and where a page's bytes are and their bulk copies (TMA on
 // mbarriers) into a raw stage. INT8 and BF16 rows are read through the codecs (page_codec.cuh).
 // Internal to kernels/cuda: include only from attention_sm90.cu.
@@ -40,58 +40,6 @@ struct ProducerUnits {
   __device__ int Row(int k) const { return row0 + kRowsPerStep * k; }
   __device__ int TileOffset(int k, int b) const { return tile_offset + k * kRowStep + b * kBlockStep; }
 };
-
-// 8 INT4 V codes (one 32-bit word, channel 2j in the low nibble of byte j) → 8 bf16 lo + code·scale,
-// in bf16x2 arithmetic: (0x4300 | code) is the bf16 of 128 + code, so one byte permute and one mask
-// make a channel pair and an exact subtraction gives the codes. lo is split into a bf16 high part and
-// a bf16 rest (exact to 2^-17), scale is rounded to bf16: code·scale + lo_high rounds once near the
-// value and adding lo_rest rounds again. Against format.h's exact decode (bench/int4_v_decode_error.py,
-// in quantization steps, RMS): 0.019 on centred rows (0.009 for the fp32 decode rounded to bf16,
-// 0.012 with scale split too, at one more instruction per channel pair; the quantization's own error
-// is 0.25); on uncentred rows (|lo| ≫ the step, no smoothing) the bf16 output rounding dominates
-// (0.44 either way vs 0.32), while an unsplit lo would add |lo|·2^-9 (run 23: the untransformed INT4
-// case's rel L2 vs the CPU went from under 0.015 to 0.024). Only V pages take this path: an error in
-// V reaches the output linearly, averaged over keys, while K's error is a logit error that softmax
-// amplifies — rounding a K row's scale to bf16 took cuda_layer_test's INT4 case from rel L2 0.004 to
-// 0.017 — so K pages keep the exact fp32 decode.
-struct Int4RowBf16 {
-  __nv_bfloat162 scale, lo_high, lo_rest;
-};
-__device__ __forceinline__ Int4RowBf16 Int4RowOf(uint32_t meta) {
-  const float scale = HalfBits(meta & 0xffffu), lo = HalfBits(meta >> 16);
-  const uint32_t scale2 = PackBf16(scale, scale), lo_high = PackBf16(lo, lo);
-  const float rest = lo - __uint_as_float(lo_high << 16);
-  const uint32_t lo_rest = PackBf16(rest, rest);
-  Int4RowBf16 row;
-  row.scale = *reinterpret_cast<const __nv_bfloat162*>(&scale2);
-  row.lo_high = *reinterpret_cast<const __nv_bfloat162*>(&lo_high);
-  row.lo_rest = *reinterpret_cast<const __nv_bfloat162*>(&lo_rest);
-  return row;
-}
-// 8 INT4 codes → the bf16 of 128 + code, channel pairs (2j, 2j + 1) in word j.
-// `exponent` is 0x43004300 read from shared memory (kBf16Exponent), so that mask-and-or is one LOP3
-// (it takes one immediate; a constant ptxas can see becomes a second LOP3).
-inline constexpr uint32_t kBf16Exponent = 0x43004300u;
-__device__ __forceinline__ uint4 Int4CodesPlus128(uint32_t codes, uint32_t exponent) {
-  const uint32_t high = codes >> 4;  // byte j of `high` has channel 2j + 1 in its low nibble
-  uint32_t out[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) out[j] = (__byte_perm(codes, high, 0x4400 + 0x1111 * j) & 0x000f000fu) | exponent;
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-__device__ __forceinline__ uint4 Int4Bf16Unit(uint32_t codes, const Int4RowBf16& row, uint32_t exponent) {
-  const uint4 plus128 = Int4CodesPlus128(codes, exponent);
-  const uint32_t pairs[4] = {plus128.x, plus128.y, plus128.z, plus128.w};
-  const __nv_bfloat162 bias = __floats2bfloat162_rn(128.0f, 128.0f);
-  uint32_t out[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const __nv_bfloat162 code = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&pairs[j]), bias);
-    const __nv_bfloat162 v = __hadd2(__hfma2(code, row.scale, row.lo_high), row.lo_rest);
-    out[j] = *reinterpret_cast<const uint32_t*>(&v);
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
 
 // A thread's INT4 codes of one tile (rows Row(k), chunk c8 of each block), loaded before any store.
 template <int kDim>

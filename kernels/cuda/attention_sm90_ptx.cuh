@@ -159,13 +159,4 @@ __device__ __forceinline__ void BulkCopy(uint32_t dst, const void* src, int byte
                : "memory");
 }
 
-// ── Math ────────────────────────────────────────────────────────────────────────────────────────
-// ex2.approx with denormals flushed: one MUFU.EX2 (exp2f adds a range check and two multiplies to
-// keep denormal results, which an attention weight below 2^-126 does not need). ex2(−inf) = +0.
-__device__ __forceinline__ float Exp2Ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 }  // namespace kvpack::cuda::sm90

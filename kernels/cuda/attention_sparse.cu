@@ -111,8 +111,8 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
     __syncthreads();  // page i's bytes are here; every warp is done with the previous tiles
     const PageDesc page = p.kv.pages[page_index];
     const uint8_t* stage = raw + (i & 1) * stage_bytes;
-    DecodePage<T>(stage, static_cast<PageFormat>(page.format), page.n_valid, k_tile);
-    DecodePage<T>(stage + p.max_page_bytes, static_cast<PageFormat>(page.format), page.n_valid, v_tile);
+    DecodePage<T, false>(stage, static_cast<PageFormat>(page.format), page.n_valid, k_tile);
+    DecodePage<T, true>(stage + p.max_page_bytes, static_cast<PageFormat>(page.format), page.n_valid, v_tile);
     __syncthreads();  // tiles decoded
     ScorePage(w, q_tile, k_tile, row0, lane);
     SoftmaxPage(w, p, runs, page, t0, row0, scale_log2, lane);

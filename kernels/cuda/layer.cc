@@ -169,14 +169,10 @@ int MaxPageBytes(const LayerConfig& c) {
 
 }  // namespace
 
-MmaPath LayerMmaPath(const LayerConfig& c, AttentionTilingChoice tiling) {
-  return TilingHasInt8Mma(tiling) ? ConfigMmaPath(c) : MmaPath::kBf16;
-}
-
 Error ResolveLayerKernel(const LayerConfig& c, AttentionTilingChoice requested, AttentionTilingChoice* tiling,
                          MmaPath* mma) {
   KVPACK_RETURN_IF_ERROR(ResolveAttentionTiling(c.shape.head_dim, MaxPageBytes(c), requested, tiling));
-  *mma = LayerMmaPath(c, *tiling);
+  *mma = ConfigMmaPath(c);
   return Error::Ok();
 }
 

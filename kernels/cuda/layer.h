@@ -80,11 +80,9 @@ uint64_t WorkspaceBytes(const LayerConfig& config);
 // sparse.h SparseRegion); 0 with sparse off. Reported as PlanResult.routing_bytes.
 uint64_t RoutingBytes(const LayerConfig& config);
 
-// The MMA path AttendLayer runs for `config` on the resolved kernel `tiling` (mma_path.h):
-// config.attention.mma resolved against the entry, and kBf16 on kernels without the INT8 path.
-MmaPath LayerMmaPath(const LayerConfig& config, AttentionTilingChoice tiling);
 // The kernel (kernel_choice.h, on the current device) and MMA path AttendLayer runs for `config` when
-// asked for `requested`; the error says why the request cannot run here.
+// asked for `requested` (every kernel runs every path: the path is ConfigMmaPath's); the error says
+// why the request cannot run here.
 Error ResolveLayerKernel(const LayerConfig& config, AttentionTilingChoice requested, AttentionTilingChoice* tiling,
                          MmaPath* mma);
 

@@ -114,8 +114,9 @@ class Backend {
   virtual DeviceIdentity Identity() const { return {}; }
   virtual KernelInfo Kernel() const { return {}; }
   // The MMA path (kernels/mma_path.h) a layer of `config` runs here: config.attention.mma resolved
-  // against its formats, head_dim and rotation, and the kernel (the CPU emulates every path).
-  virtual MmaPath ResolvedMma(const LayerConfig& config) const;
+  // against its formats, head_dim and rotation (every CUDA kernel runs every path; the CPU emulates
+  // each).
+  MmaPath ResolvedMma(const LayerConfig& config) const;
   // Whether tensors in host memory (inline uploads, shm regions) can be passed straight to Run.
   virtual bool ReadsHostMemory() const = 0;
 

@@ -354,10 +354,6 @@ class CudaBackend final : public Backend {
   }
 
   KernelInfo Kernel() const override { return kernel_; }
-  MmaPath ResolvedMma(const LayerConfig& config) const override {  // the INT8 path is the wgmma kernel's
-    return cuda::LayerMmaPath(config, kernel_.attention_kernel == "wgmma" ? cuda::AttentionTilingChoice::kWgmma
-                                                                         : cuda::AttentionTilingChoice::kMmaSync);
-  }
 
   bool ReadsHostMemory() const override { return false; }
   bool Healthy() const override { return healthy_.load(); }

@@ -40,7 +40,6 @@ class FaultyBackend final : public Backend {
   DeviceMemory QueryDeviceMemory() const override { return b_->QueryDeviceMemory(); }
   DeviceIdentity Identity() const override { return b_->Identity(); }
   KernelInfo Kernel() const override { return b_->Kernel(); }
-  MmaPath ResolvedMma(const LayerConfig& config) const override { return b_->ResolvedMma(config); }
   bool ReadsHostMemory() const override { return b_->ReadsHostMemory(); }
   absl::StatusOr<IpcMapping> OpenIpcRegion(const std::string& handle, int device, uint64_t size) override {
     return b_->OpenIpcRegion(handle, device, size);

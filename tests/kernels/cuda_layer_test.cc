@@ -468,13 +468,17 @@ TEST(CudaLayer, Bf16CausalTwoSequences) {
   RunCaseEachKernel(c);
 }
 
-// The INT8 MMA path (mma_path.h) on the wgmma kernel, against the CPU reference emulating it.
+// The INT8 MMA path (mma_path.h) on each kernel (wgmma where the GPU has it, mma.sync m16n8k32 kTall
+// and kWide), against the CPU reference emulating it.
 TEST(CudaLayer, Int8MmaInt4OneSequence) {
   SKIP_WITHOUT_GPU();
   Case c{"int8-mma int4 N=1000 d=128", 1000, 256, 2, 128, {{0, 1000, 0, PageFormat::kInt4}}};
   c.mma = MmaPath::kInt8;
   c.seed = 11;
-  ASSERT_EQ(LayerMmaPath(MakeLayer(c).config, AttentionTilingChoice::kWgmma), MmaPath::kInt8);
+  ASSERT_EQ(ConfigMmaPath(MakeLayer(c).config), MmaPath::kInt8);
+  RunCaseEachKernel(c);
+  c.name = "int8-mma int4 wide tiling N=1000 d=128";
+  c.tiling = AttentionTilingChoice::kWide;
   RunCase(c);
 }
 
@@ -490,6 +494,9 @@ TEST(CudaLayer, Int8MmaMixedIntegerFormatsSequencesCausalRopeNormD64) {
   c.rope = RopeLayout::kSplitHalves, c.rope_axes = 3, c.axis_dims[0] = 16, c.axis_dims[1] = 24, c.axis_dims[2] = 24;
   c.projection_chunk = 1000, c.query_chunk = 1500;
   c.seed = 19;
+  RunCaseEachKernel(c);
+  c.name = "int8-mma mixed wide tiling N=3001 d=64";
+  c.tiling = AttentionTilingChoice::kWide;
   RunCase(c);
 }
 
@@ -502,19 +509,20 @@ TEST(CudaLayer, Int8MmaInt8PagesD128RotatedAndNot) {
   Case c{"int8-mma int8 N=1500 d=128", 1500, 512, 2, 128, {{0, 1500, 0, PageFormat::kInt8}}};
   c.mma = MmaPath::kInt8;
   c.seed = 21;
-  RunCase(c);
+  RunCaseEachKernel(c);
   c.name = "int8-mma int8 untransformed N=1500 d=128";
   c.transforms = false;
+  RunCase(c, nullptr, /*check_exact=*/false);
+  c.tiling = AttentionTilingChoice::kTall;
   RunCase(c, nullptr, /*check_exact=*/false);
 }
 
 TEST(CudaLayer, Int8MmaRequestOverBf16PagesRunsBf16) {
   Case c{"int8-mma over bf16", 300, 128, 2, 64, {{0, 100, 0, PageFormat::kBf16}, {100, 300, 0, PageFormat::kInt4}}};
   c.mma = MmaPath::kInt8;
-  EXPECT_EQ(LayerMmaPath(MakeLayer(c).config, AttentionTilingChoice::kWgmma), MmaPath::kBf16);
+  EXPECT_EQ(ConfigMmaPath(MakeLayer(c).config), MmaPath::kBf16);
   c.ranges = {{0, 300, 0, PageFormat::kInt4}};
-  EXPECT_EQ(LayerMmaPath(MakeLayer(c).config, AttentionTilingChoice::kWgmma), MmaPath::kInt8);
-  EXPECT_EQ(LayerMmaPath(MakeLayer(c).config, AttentionTilingChoice::kTall), MmaPath::kBf16);
+  EXPECT_EQ(ConfigMmaPath(MakeLayer(c).config), MmaPath::kInt8);
 }
 
 // The quantizers' reciprocal of a row scale skips __frcp_rn's range check (a half's reciprocal is

@@ -85,7 +85,7 @@ struct Case {
   int64_t projection_chunk = 4096, query_chunk = 4096;
   uint64_t seed = 1;
   AttentionTilingChoice tiling = AttentionTilingChoice::kAuto;  // RunCaseEachKernel adds the others
-  MmaPath mma = MmaPath::kAuto;  // the CPU reference emulates the path the GPU resolves (LayerMmaPath)
+  MmaPath mma = MmaPath::kAuto;  // the CPU reference emulates the path the GPU resolves (ConfigMmaPath)
 };
 
 inline float RoundBf16(float v) { return Bf16ToFloat(FloatToBf16(v)); }
