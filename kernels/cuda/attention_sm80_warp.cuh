@@ -375,8 +375,8 @@ __device__ __forceinline__ void WriteKeyTable(const uint8_t* k_raw, PageFormat f
 
 // S[rows × 64] = Q̂[rows × d] · codesᵀ[d × 64] in int32 for this warp's rows, K's codes read from the
 // raw page (no decoded K tile), then the logits over s_q into w.s: a_j·S + b_j·(Σq / s_q) (the key
-// table of WriteKeyTable; |S| < 2^22, so 2^23 + 2^22 + S is exact in fp32 and an integer add and a
-// float subtract convert it). Keys past n_valid give finite sums that the masks hide.
+// table of WriteKeyTable; |S| < 2^22, so S converts to fp32 exactly). Keys past n_valid give finite
+// sums that the masks hide.
 template <class T>
 __device__ __forceinline__ void ScorePageInt8(WarpRows<T>& w, const uint8_t* q8, const uint8_t* k_raw, PageFormat format,
                                               const float2* table, const float (&q_sum_over_scale)[T::kMTiles][2],
@@ -447,7 +447,7 @@ __device__ __forceinline__ void ScorePageInt8(WarpRows<T>& w, const uint8_t* q8,
     for (int mt = 0; mt < T::kMTiles; ++mt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float sum = __uint_as_float(acc[mt][n][e] + 0x4B400000u) - 12582912.0f;
+        const float sum = static_cast<float>(static_cast<int32_t>(acc[mt][n][e]));  // exact: |S| < 2^22
         w.s[mt][n][e] = fmaf(sum, e & 1 ? k.z : k.x, q_sum_over_scale[mt][e >> 1] * (e & 1 ? k.w : k.y));
       }
     }
