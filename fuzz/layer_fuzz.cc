@@ -306,8 +306,11 @@ class Harness {
   static std::string SocketPath() {
     if (const char* path = std::getenv("LAYER_FUZZ_UDS")) return path;
     const char* tmp = std::getenv("TMPDIR");
-    static std::string path = std::string(tmp && *tmp ? tmp : "/tmp") + "/kvpack_layer_fuzz_" + std::to_string(::getpid()) + ".sock";
-    std::atexit([] { ::unlink(path.c_str()); });
+    static const std::string path =
+        std::string(tmp && *tmp ? tmp : "/tmp") + "/kvpack_layer_fuzz_" + std::to_string(::getpid()) + ".sock";
+    // Registered once, after `path` exists, so the handler runs before its destructor.
+    static const bool unlink_at_exit = std::atexit([] { ::unlink(path.c_str()); }) == 0;
+    (void)unlink_at_exit;
     return path;
   }
 

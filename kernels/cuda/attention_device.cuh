@@ -7,6 +7,7 @@
 //   QueryRuns             sequence id of every query row and the runs of equal ids (visibility)
 //   CollectVisiblePages   the pages of a window that some query of the tile may see, in page order
 //                         (the dense policy of kernels/visibility.h)
+//   PageSource            a page's descriptor and pool offsets, fetched a page ahead of its copy
 //   WriteOutputRows       the epilogue of one warp's rows: Rᵀ, ×λ_v, +μ_v, bf16 store
 // Page decode is the codecs' (page_codec.cuh).
 #pragma once
@@ -148,6 +149,20 @@ __device__ int CollectVisiblePages(const AttentionParams& p, const QueryRuns& ru
   const int n_visible = scratch.n_visible;
   __syncthreads();
   return n_visible;
+}
+
+// ── Page sources ────────────────────────────────────────────────────────────────────────────────
+// Where one page's bytes are, read from global memory a page before its copy is issued so that the
+// reads' latency hides behind a page's work (both kernels; issued just before the copy, they stalled
+// every warp of the mma.sync kernel: Nsight Compute, session 10).
+// Offsets, not pointers: an add right after the loads would wait for them there.
+struct PageSource {
+  PageDesc desc;
+  uint64_t k, v;  // byte offsets into the pool
+};
+__device__ __forceinline__ PageSource FetchPageSource(const AttentionParams& p, int head, int page) {
+  const int64_t slot = static_cast<int64_t>(head) * p.kv.n_pages + page;
+  return {p.kv.pages[page], p.kv.k_offsets[slot], p.kv.v_offsets[slot]};
 }
 
 // ── Epilogue ────────────────────────────────────────────────────────────────────────────────────

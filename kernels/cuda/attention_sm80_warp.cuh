@@ -48,17 +48,6 @@ __device__ __forceinline__ void MmaInt8(uint32_t (&c)[4], const uint32_t (&a)[4]
 }
 
 // ── Producer side: raw page copies and their decode ─────────────────────────────────────────────
-// One page's descriptor and where its K and V bytes are, read from global memory a page ahead of its
-// copy, so that the loads' latency hides behind a page's work (issued just before the copy, they
-// stalled every warp on them: Nsight Compute, session 10).
-struct PageSource {
-  PageDesc desc;
-  uint64_t k, v;  // byte offsets into the pool
-};
-__device__ __forceinline__ PageSource FetchPageSource(const AttentionParams& p, int head, int page) {
-  const int64_t slot = static_cast<int64_t>(head) * p.kv.n_pages + page;
-  return {p.kv.pages[page], p.kv.k_offsets[slot], p.kv.v_offsets[slot]};
-}
 // Starts the copy of one page's K and V bytes into a raw stage (K at 0, V at max_page_bytes); thread
 // `tid` of kThreads copies every kThreads-th 16-byte piece.
 template <int kThreads, int kDim>
@@ -118,19 +107,21 @@ __device__ __forceinline__ void DecodeInt4Rows(const uint8_t* raw, int n_valid, 
     codes[2 * i] = w.x, codes[2 * i + 1] = w.y;
   }
   const uint32_t meta = *reinterpret_cast<const uint32_t*>(raw + MetaOffset(F, T::kDim) + r * 4);
-  [[maybe_unused]] const Int4RowBf16 row_bf16 = Int4RowOf(meta);
+  auto store = [&](auto&& convert) {
 #pragma unroll
-  for (int k = 0; k < U::kChunks; ++k) {
-    const uint32_t c = odd ? codes[k ^ kHalf] : codes[k];
-    uint4 v;
-    if constexpr (kV) {
-      v = Int4Bf16Unit(c, row_bf16, kBf16Exponent);
-    } else {
+    for (int k = 0; k < U::kChunks; ++k) {
+      *reinterpret_cast<uint4*>((k < kHalf ? lower : upper) + k * 8) = convert(odd ? codes[k ^ kHalf] : codes[k]);
+    }
+  };
+  if constexpr (kV) {
+    const Int4RowBf16 row_bf16 = Int4RowOf(meta);
+    store([&](uint32_t c) { return Int4Bf16Unit(c, row_bf16, kBf16Exponent); });
+  } else {
+    store([&](uint32_t c) {
       RawUnit<F> u;
       u.bits = make_uint4(c, meta, 0, 0);
-      v = ConvertUnit<F>(u);
-    }
-    *reinterpret_cast<uint4*>((k < kHalf ? lower : upper) + k * 8) = v;
+      return ConvertUnit<F>(u);
+    });
   }
 }
 template <typename T, PageFormat F>
@@ -384,9 +375,9 @@ __device__ __forceinline__ void ScorePageInt8(WarpRows<T>& w, const uint8_t* q8,
   using L = Int8QkLayout<T::kDim>;
   const int g = lane >> 2, t = lane & 3;
   uint32_t acc[T::kMTiles][8][4] = {};
-  // The k-steps in kParts passes (two at d = 128), each with its Q fragments in registers (all four at
-  // once spilled at kTall: 32 of them beside S's 64 and O's 128).
-  constexpr int kParts = L::kKSteps == 4 ? 2 : 1, kPartSteps = L::kKSteps / kParts;
+  // The k-steps in passes of two (two passes at d = 128, one at 64), each with its Q fragments in
+  // registers (all four at once spilled at kTall: 32 of them beside S's 64 and O's 128).
+  constexpr int kPartSteps = 2, kParts = L::kKSteps / kPartSteps;
 #pragma unroll
   for (int part = 0; part < kParts; ++part) {
     uint32_t a[T::kMTiles][kPartSteps][4];
@@ -408,12 +399,8 @@ __device__ __forceinline__ void ScorePageInt8(WarpRows<T>& w, const uint8_t* q8,
 #pragma unroll
         for (int j = 0; j < kGroup; ++j) {
           const uint8_t* key = k_raw + ((n0 + j) * 8 + g) * (T::kDim / 2) + (T::kDim / 8) * t + 4 * kPartSteps * part;
-          if constexpr (kPartSteps == 2) {
-            const uint2 v = *reinterpret_cast<const uint2*>(key);
-            words[j][0] = v.x, words[j][1] = v.y;
-          } else {
-            static_assert(kPartSteps == 2, "two k-steps per pass");
-          }
+          const uint2 v = *reinterpret_cast<const uint2*>(key);
+          words[j][0] = v.x, words[j][1] = v.y;
         }
 #pragma unroll
         for (int i = 0; i < kPartSteps; ++i) {

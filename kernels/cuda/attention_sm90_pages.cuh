@@ -277,17 +277,6 @@ __device__ __forceinline__ void DecodePageInt8Qk(const PageDesc& page, const uin
   if (page.n_valid < kPageTokens) ZeroRowsPast(page.n_valid, v_tile, u);
 }
 
-// Where one page's bytes are, read from global memory one page before its copy is issued so that the
-// reads' latency hides behind a decode.
-// Offsets, not pointers: an add right after the loads would wait for them there.
-struct PageSource {
-  PageDesc desc;
-  uint64_t k, v;  // byte offsets into the pool
-};
-__device__ __forceinline__ PageSource FetchPageSource(const AttentionParams& p, int head, int page) {
-  const int64_t slot = static_cast<int64_t>(head) * p.kv.n_pages + page;
-  return {p.kv.pages[page], p.kv.k_offsets[slot], p.kv.v_offsets[slot]};
-}
 // Starts the bulk copies of a page's K and V bytes into a raw stage (K at 0, V at v_offset), completing
 // on `bar`. One thread.
 template <int kDim>
