@@ -2,6 +2,7 @@
 // warp-specialised wgmma). Internal to kernels/cuda: include only from .cu files.
 //
 //   SmemAddr              a shared-memory address for PTX
+//   CpAsync16             16-byte asynchronous copies global → shared (LDGSTS) and their groups
 //   Exp2Ftz               2^x in one MUFU.EX2 (denormal results flushed)
 //   QueryTileCoords       the tile scheduler: which query tile and head a CTA takes
 //   QueryRuns             sequence id of every query row and the runs of equal ids (visibility)
@@ -27,6 +28,19 @@ namespace kvpack::cuda {
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+
+// 16 bytes global → shared without a register (LDGSTS); complete after CpAsyncWait (and, before a wgmma
+// reads them, FenceProxyAsync). CpAsync16Fill copies `bytes` < 16 and fills the rest with zeros (0:
+// zeros only, nothing read).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SmemAddr(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void CpAsync16Fill(void* smem, const void* gmem, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
 // ── Math ────────────────────────────────────────────────────────────────────────────────────────
 // ex2.approx with denormals flushed: one MUFU.EX2 (exp2f adds a range check and two multiplies to

@@ -144,20 +144,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
       routed.q0[tid] = block.token_begin - p.q_token_begin;
       routed.rows[tid] = b < p.route.n_blocks ? block.n_valid : 0;
     }
-    if (tid == 0) routed.n_synthetic = 0, routed.cursor = 0;
-    __syncthreads();
-    int pooled = 0;  // the pooled union's size, over all threads
-    for (int w = tid; w < p.route.words; w += T::kThreads) {
-      uint32_t u = 0;
-      for (int c = 0; c < 2; ++c) {
-        const int b = 2 * blockIdx.x + c;
-        if (b < p.route.n_blocks) u |= p.route.pooled_bits[(static_cast<int64_t>(b) * p.kv.n_heads + head) * p.route.words + w];
-      }
-      pooled += __popc(u);
-    }
-    if (pooled) atomicAdd(&routed.n_synthetic, pooled);
-    __syncthreads();
-    if (tid == 0) routed.n_synthetic = (routed.n_synthetic + kPageTokens - 1) / kPageTokens;
+    CountPooledSlices(p, head, routed.n_synthetic);  // its barriers publish the blocks' rows too
     for (int u = tid; u < kTileQueries * kUnitsPerRow; u += T::kThreads) {
       const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow, c = r / T::kGroupRows, rr = r % T::kGroupRows;
       uint4 v = make_uint4(0, 0, 0, 0);
@@ -205,16 +192,16 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
       }
       if constexpr (kRouted) {
-        if (synthetic) {  // the pooled union, 64 pages per synthetic page, built straight into the tiles
+        if (synthetic) {  // the pooled slices, built straight into the tiles
+          const PooledBits pooled(p, head);
+          int slice = -1;
           for (int i = 0; i < n_visible; ++i) {
-            BarSync(T::kProducerBar, T::kProducerThreads);  // the previous page is built (state.pages free)
+            slice = NextPooledSlice(pooled, n_pages, slice + 1);
             const int s = i % T::kStages;
             if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);
-            if (tid < 32) NextSyntheticPage(p, head, s, routed, tile_desc[s], tid);
-            BarSync(T::kProducerBar, T::kProducerThreads);
-            BuildSyntheticTiles<kDim>(p, head, tile_desc[s].n_valid, routed, smem + T::kKOffset + s * T::kKTileBytes,
-                                      smem + T::kVOffset + s * T::kTileBytes, reinterpret_cast<float2*>(key_table[s]),
-                                      scale_log2, tid);
+            BuildSyntheticPage<kDim>(p, head, pooled, slice, s, routed, tile_desc[s], smem + T::kKOffset + s * T::kKTileBytes,
+                                     smem + T::kVOffset + s * T::kTileBytes, reinterpret_cast<float2*>(key_table[s]),
+                                     scale_log2, tid);
             FenceProxyAsync();
             MbarArrive(SmemAddr(&tile_full[s]));
           }

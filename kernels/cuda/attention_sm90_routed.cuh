@@ -7,7 +7,6 @@
 
 #include "kernels/cuda/attention_device.cuh"
 #include "kernels/cuda/attention_sm90_pages.cuh"
-#include "kernels/cuda/warp_row.cuh"
 
 namespace kvpack::cuda::sm90 {
 
@@ -15,11 +14,14 @@ namespace kvpack::cuda::sm90 {
 // A CTA takes query blocks 2·blockIdx.x and 2·blockIdx.x + 1 of the launch (pages first_page + b), one
 // per consumer group. The visible list of a window holds the pages that either block attends exactly,
 // each entry's bits 14–15 saying which (kRoutedMember: bit c = group c); a group masks whole pages it
-// does not route. After the last window one more pass streams the union of the two blocks' pooled
-// pages, 64 per synthetic page (PageDesc::reserved = kSyntheticPage): K rows their mean keys, V rows
-// their V sums (the stored bf16 statistics, copied), built by the producers straight into the tiles;
-// key j counts n_j tokens in the softmax sum (weight) and is masked for a group that does not pool its
-// page.
+// does not route. After the last window one more pass streams the pooled pages as synthetic pages
+// (PageDesc::reserved = kSyntheticPage): synthetic page i is the slice of pages 64·i … 64·i + 63 of the
+// head, its K rows their mean keys and its V rows their V sums (the stored bf16 statistics, [H, P, d],
+// so a slice is contiguous), copied by the producers straight into the tiles; key j counts n_j tokens
+// in the softmax sum (weight) and is masked for a group that does not pool its page. Slices that
+// neither block pools are skipped. (Compacting the union of the pooled pages instead, as session 8
+// did, took one warp's serial scan and a dependent descriptor load per pooled page: a synthetic page
+// cost ~7 exact ones on H3.)
 inline constexpr int kRoutedOffsetBits = 14;
 inline constexpr uint32_t kSyntheticPage = 4;
 
@@ -27,9 +29,7 @@ template <bool kRouted, int kStages>
 struct RoutedState {
   unsigned long long member[kStages][2];  // synthetic page of stage s: key j pooled by group c
   uint8_t weight[kStages][kPageTokens];   // its keys' token counts
-  uint16_t pages[kPageTokens];            // the pages of the synthetic page being built
-  int cursor;                             // next page to look at for the pooled union
-  int n_synthetic;
+  int n_synthetic;                        // slices that either block pools
   int64_t q0[2];                          // per consumer group: launch row of the block's first query,
   int64_t t0[2];                          // its token (position),
   int rows[2];                            // its queries (0: no block)
@@ -73,92 +73,83 @@ __device__ int CollectRoutedPages(const AttentionParams& p, int head, int w0, in
   return n_visible;
 }
 
-// Producer warp 0: the next synthetic page of the pooled union from state.cursor — its pages, their
-// group bits, weights and descriptor (stage s). 32 words (1024 pages) per step, one per lane, so that
-// the bit loads run side by side (thread 0 alone, one dependent load per page, cost H3's layer 0.5 s).
-template <int kStages>
-__device__ void NextSyntheticPage(const AttentionParams& p, int head, int s, RoutedState<true, kStages>& state,
-                                  PageDesc& desc, int lane) {
-  const AttentionParams::Route& route = p.route;
+// The pooled bits of the CTA's two blocks for one head (nullptr: no such block).
+struct PooledBits {
   const uint32_t* bits[2];
-  for (int c = 0; c < 2; ++c) {
-    const int b = 2 * blockIdx.x + c;
-    bits[c] = b < route.n_blocks ? route.pooled_bits + (static_cast<int64_t>(b) * p.kv.n_heads + head) * route.words : nullptr;
-  }
-  __shared__ uint8_t member_of[kPageTokens];
-  const int cursor = state.cursor;
-  int count = 0, next = p.kv.n_pages;  // pages found; the page after the last one taken
-  for (int w0 = cursor >> 5; w0 < route.words && count < kPageTokens; w0 += 32) {
-    const int w = w0 + lane;
-    uint32_t word[2] = {0, 0};
-    if (w < route.words) {
-      for (int c = 0; c < 2; ++c) word[c] = bits[c] != nullptr ? bits[c][w] : 0u;
-      if (w == cursor >> 5) word[0] &= ~0u << (cursor & 31), word[1] &= ~0u << (cursor & 31);
+  int words;
+  __device__ PooledBits(const AttentionParams& p, int head) : words(p.route.words) {
+    for (int c = 0; c < 2; ++c) {
+      const int b = 2 * blockIdx.x + c;
+      bits[c] = b < p.route.n_blocks ? p.route.pooled_bits + (static_cast<int64_t>(b) * p.kv.n_heads + head) * words : nullptr;
     }
-    uint32_t any = word[0] | word[1];
-    const int mine = __popc(any);
-    int before = mine;  // inclusive prefix over lanes
-    for (int o = 1; o < 32; o <<= 1) {
-      const int x = __shfl_up_sync(kFullMask, before, o);
-      if (lane >= o) before += x;
-    }
-    const int total = __shfl_sync(kFullMask, before, 31);
-    int slot = count + before - mine;
-    while (any != 0 && slot < kPageTokens) {
-      const int bit = __ffs(any) - 1;
-      any &= any - 1;
-      const int pg = w * 32 + bit;
-      state.pages[slot] = static_cast<uint16_t>(pg);
-      state.weight[s][slot] = static_cast<uint8_t>(p.kv.pages[pg].n_valid);
-      member_of[slot] = static_cast<uint8_t>((word[0] >> bit & 1u) | (word[1] >> bit & 1u) << 1);
-      if (slot == kPageTokens - 1) next = pg + 1;
-      ++slot;
-    }
-    count += total;
-    next = __reduce_min_sync(kFullMask, static_cast<unsigned>(next));
   }
-  count = count < kPageTokens ? count : kPageTokens;
-  __syncwarp();
-  unsigned long long member[2] = {0, 0};
-  for (int half = 0; half < 2; ++half) {
-    const int j = half * 32 + lane;
-    const uint8_t m = j < count ? member_of[j] : 0;
-    for (int c = 0; c < 2; ++c) member[c] |= static_cast<unsigned long long>(__ballot_sync(kFullMask, m >> c & 1)) << (32 * half);
+  // Bit j: page 64·slice + j is pooled by group c.
+  __device__ unsigned long long Slice(int c, int slice) const {
+    if (bits[c] == nullptr) return 0;
+    const int w = 2 * slice;
+    const unsigned long long hi = w + 1 < words ? bits[c][w + 1] : 0u;
+    return bits[c][w] | hi << 32;
   }
-  if (lane == 0) {
-    state.cursor = next;
-    state.member[s][0] = member[0], state.member[s][1] = member[1];
+  __device__ bool Pooled(int slice) const { return (Slice(0, slice) | Slice(1, slice)) != 0; }
+};
+
+// The number of slices that either block pools; every thread of the CTA calls it (its barrier).
+__device__ __forceinline__ int CountPooledSlices(const AttentionParams& p, int head, int& shared_count) {
+  const PooledBits pooled(p, head);
+  const int n_slices = (p.kv.n_pages + kPageTokens - 1) / kPageTokens;
+  int mine = 0;
+  for (int i = threadIdx.x; i < n_slices; i += blockDim.x) mine += pooled.Pooled(i);
+  if (threadIdx.x == 0) shared_count = 0;
+  __syncthreads();
+  if (mine) atomicAdd(&shared_count, mine);
+  __syncthreads();
+  return shared_count;
+}
+
+// The first slice at or after `slice` that either block pools (every producer thread finds the same).
+__device__ __forceinline__ int NextPooledSlice(const PooledBits& pooled, int n_pages, int slice) {
+  const int n_slices = (n_pages + kPageTokens - 1) / kPageTokens;
+  while (slice < n_slices && !pooled.Pooled(slice)) ++slice;
+  return slice;
+}
+
+// All producer threads: synthetic page `slice` into stage s — its tiles copied from the bf16
+// statistics by 16-byte asynchronous copies (rows past the slice's pages zero-filled), its key table
+// (bf16 keys: a_j = c, b_j = 0), weights, group masks and descriptor. The tiles are complete for the
+// wgmma once every producer thread has passed its wait and proxy fence.
+template <int kDim, int kStages>
+__device__ void BuildSyntheticPage(const AttentionParams& p, int head, const PooledBits& pooled, int slice, int s,
+                                   RoutedState<true, kStages>& state, PageDesc& desc, uint8_t* k_tile,
+                                   uint8_t* v_tile, float2* keys, float scale_log2, int ptid) {
+  using U = ProducerUnits<kDim>;
+  const U u(ptid);
+  const int first = slice * kPageTokens;
+  const int count = p.kv.n_pages - first < kPageTokens ? p.kv.n_pages - first : kPageTokens;
+  const int64_t at = (static_cast<int64_t>(head) * p.kv.n_pages + first) * kDim;
+#pragma unroll
+  for (int r = 0; r < U::kRowSteps; ++r) {
+    const int row = u.Row(r) < count ? u.Row(r) : 0, bytes = u.Row(r) < count ? 16 : 0;
+#pragma unroll
+    for (int b = 0; b < U::kBlocks; ++b) {
+      const int64_t unit = at + row * kDim + (b * 8 + u.c8) * 8;
+      CpAsync16Fill(k_tile + u.TileOffset(r, b), p.route.mean_k + unit, bytes);
+      CpAsync16Fill(v_tile + u.TileOffset(r, b), p.route.v_sum + unit, bytes);
+    }
+  }
+  CpAsyncCommit();
+  if (ptid < kPageTokens) {
+    keys[ptid] = make_float2(scale_log2, 0.0f);
+    state.weight[s][ptid] = ptid < count ? static_cast<uint8_t>(p.kv.pages[first + ptid].n_valid) : 0;
+  }
+  if (ptid == 0) {
+    const unsigned long long valid = count == kPageTokens ? ~0ull : (1ull << count) - 1;
+    state.member[s][0] = pooled.Slice(0, slice) & valid, state.member[s][1] = pooled.Slice(1, slice) & valid;
     desc = PageDesc{};
     desc.n_valid = static_cast<uint16_t>(count);
     desc.format = static_cast<uint8_t>(PageFormat::kBf16);
     desc.reserved = kSyntheticPage;
   }
-}
-
-// All producer threads: the synthetic page's tiles from the bf16 statistics, 16 bytes per load, copied
-// (rows past its count zero), and its key table (bf16 keys: a_j = c, b_j = 0).
-template <int kDim, int kStages>
-__device__ void BuildSyntheticTiles(const AttentionParams& p, int head, int count, const RoutedState<true, kStages>& state,
-                                    uint8_t* k_tile, uint8_t* v_tile, float2* keys, float scale_log2, int ptid) {
-  const ProducerUnits<kDim> u(ptid);
-  using U = ProducerUnits<kDim>;
-  const int64_t base = static_cast<int64_t>(head) * p.kv.n_pages * kDim;
-#pragma unroll
-  for (int r = 0; r < U::kRowSteps; ++r) {
-    const int row = u.Row(r);
-#pragma unroll
-    for (int b = 0; b < U::kBlocks; ++b) {
-      uint4 k8 = make_uint4(0, 0, 0, 0), v8 = make_uint4(0, 0, 0, 0);
-      if (row < count) {
-        const int64_t at = base + static_cast<int64_t>(state.pages[row]) * kDim + (b * 8 + u.c8) * 8;
-        k8 = *reinterpret_cast<const uint4*>(p.route.mean_k + at);
-        v8 = *reinterpret_cast<const uint4*>(p.route.v_sum + at);
-      }
-      *reinterpret_cast<uint4*>(k_tile + u.TileOffset(r, b)) = k8;
-      *reinterpret_cast<uint4*>(v_tile + u.TileOffset(r, b)) = v8;
-    }
-  }
-  if (ptid < kPageTokens) keys[ptid] = make_float2(scale_log2, 0.0f);
+  CpAsyncWait<0>();
 }
 
 // A visible-list entry's page offset (the routed list carries group bits above it).

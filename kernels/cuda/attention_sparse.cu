@@ -5,11 +5,12 @@
 //   1. the exact pages, ascending, from the block's exact bitmask: raw copy (cp.async, two stages, the
 //      next page's bytes in flight), decode by the codec into bf16 tiles, S = Q·Kᵀ, masks, online
 //      softmax, O += P·V — the dense portable kernel's steps (attention_sm80_warp.cuh);
-//   2. the pooled pages, 64 at a time as one synthetic page: key j = mean_k of pooled page p_j (stored
-//      bf16, copied), value j = bf16(v_sum / n_j) (exact for a full page: n_j = 64), logit bias
-//      ln n_j — n_j tokens of logit s and value v_sum / n_j, the CPU's FoldPooled — masked past the
-//      group's count; no causal mask (a pooled page is fully visible to the block:
-//      PageFullyVisibleToBlock);
+//   2. the pooled pages, one synthetic page per slice of 64 pages (64·i … 64·i + 63) that holds any:
+//      key j = mean_k of the slice's page j (stored bf16, copied), value j = bf16(v_sum / n_j) (exact
+//      for a full page: n_j = 64), logit bias ln n_j — n_j tokens of logit s and value v_sum / n_j,
+//      the CPU's FoldPooled — and −∞ for the slice's pages the block does not pool; no causal mask (a
+//      pooled page is fully visible to the block: PageFullyVisibleToBlock). (Gathering the pooled
+//      pages 64 at a time took one thread's serial scan of the bitmask per synthetic page.);
 //   3. the dense path's epilogue: 1/ℓ, Rᵀ, ×λ_v, +μ_v, bf16 rows of the output.
 #include <cuda_runtime.h>
 
@@ -66,9 +67,7 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
   uint16_t* v_tile = reinterpret_cast<uint16_t*>(smem + T::kQBytes + T::kTileBytes);
   uint8_t* raw = smem + T::kRawOffset;
   __shared__ QueryRuns runs;
-  __shared__ int group[kPageTokens];     // pooled pages of the current group
-  __shared__ float bias[kPageTokens];    // their ln n_j, in S units (÷ scale·log2 e)
-  __shared__ int group_n, group_next;
+  __shared__ float bias[kPageTokens];    // the synthetic page's ln n_j, in S units (÷ scale·log2 e)
   const AttentionParams& p = chunk.attention;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int head = blockIdx.y;
@@ -120,30 +119,25 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
     page_index = next;
   }
 
-  // ── 2. Pooled pages, 64 per synthetic page ───────────────────────────────────────────────────
+  // ── 2. Pooled pages, one synthetic page per slice of 64 pages that holds any ─────────────────
   AttentionParams pooled_params = p;
   pooled_params.visibility.causal = false;  // pooled pages are wholly visible to the block
   const uint16_t* mean_k = chunk.attention.route.mean_k + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
   const uint16_t* v_sum = chunk.attention.route.v_sum + static_cast<int64_t>(head) * p.kv.n_pages * kDim;
-  int from = 0;
-  while (true) {
-    __syncthreads();  // every warp is done with the tiles (and with group[] of the last round)
-    if (tid == 0) {
-      int count = 0, pg = from;
-      while (count < kPageTokens && (pg = NextBit(pooled, chunk.attention.route.words, pg)) >= 0) group[count++] = pg++;
-      group_n = count;
-      group_next = pg < 0 ? p.kv.n_pages : pg;
-    }
-    __syncthreads();
-    const int count = group_n;
-    if (count == 0) break;
-    from = group_next;
+  const int words = chunk.attention.route.words;
+  for (int first = 0; first < p.kv.n_pages; first += kPageTokens) {
+    const int word = first >> 5;  // the slice's bits: words word, word + 1
+    const unsigned long long member =
+        pooled[word] | (word + 1 < words ? static_cast<unsigned long long>(pooled[word + 1]) << 32 : 0ull);
+    if (member == 0) continue;  // the same for every thread
+    const int count = p.kv.n_pages - first < kPageTokens ? p.kv.n_pages - first : kPageTokens;
+    __syncthreads();  // every warp is done with the tiles
     for (int u = tid; u < kPageTokens * (kDim / 8); u += T::kThreads) {
       const int j = u / (kDim / 8), c8 = u % (kDim / 8);
       uint4 k8 = make_uint4(0, 0, 0, 0), v8 = make_uint4(0, 0, 0, 0);
-      if (j < count) {
-        const int64_t at = static_cast<int64_t>(group[j]) * kDim + c8 * 8;
-        const float inv_n = 1.0f / static_cast<float>(p.kv.pages[group[j]].n_valid);
+      if (member >> j & 1ull) {
+        const int64_t at = static_cast<int64_t>(first + j) * kDim + c8 * 8;
+        const float inv_n = 1.0f / static_cast<float>(p.kv.pages[first + j].n_valid);
         k8 = *reinterpret_cast<const uint4*>(mean_k + at);  // 8 bf16 mean keys, as stored
         const uint4 vs = *reinterpret_cast<const uint4*>(v_sum + at);  // 8 bf16 V sums
         auto mean2 = [&](uint32_t two) { return PackBf16(Bf16Lo(two) * inv_n, Bf16Hi(two) * inv_n); };
@@ -152,8 +146,8 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
       *reinterpret_cast<uint4*>(k_tile + j * T::kPitch + c8 * 8) = k8;
       *reinterpret_cast<uint4*>(v_tile + j * T::kPitch + c8 * 8) = v8;
     }
-    for (int j = tid; j < kPageTokens; j += T::kThreads) {
-      bias[j] = j < count ? log2f(static_cast<float>(p.kv.pages[group[j]].n_valid)) / scale_log2 : 0.0f;
+    for (int j = tid; j < kPageTokens; j += T::kThreads) {  // pages of the slice the block does not pool: −∞
+      bias[j] = member >> j & 1ull ? log2f(static_cast<float>(p.kv.pages[first + j].n_valid)) / scale_log2 : -INFINITY;
     }
     __syncthreads();
     ScorePage(w, q_tile, k_tile, row0, lane);

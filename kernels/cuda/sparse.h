@@ -14,17 +14,17 @@
 //   LaunchSparseAttention  per query chunk. On the wgmma kernel's GPUs (sm_90a) its routed instance
 //                     (attention_sm90.cu): a CTA takes two query blocks, one per consumer group, and
 //                     streams the union of their exact pages (each group masks the pages it does not
-//                     route), then the union of their pooled pages 64 at a time as synthetic bf16 pages
-//                     whose rows are the stored mean keys and V sums, copied, weighted by token count
-//                     in the softmax sum. (Splitting one block's pages over both groups instead
-//                     measured 1.29x slower on H3: no ping-pong, a merge at the end; bench/RESULTS.md,
-//                     session 8.) Elsewhere
-//                     one CTA of 4 warps × 16 rows per (query block, head)
-//                     (attention_sparse.cu, mma.sync, every arch): the exact pages in ascending order
-//                     (raw copy, codec decode, S = Q·Kᵀ, masks, online softmax, O += P·V), then the
-//                     pooled pages 64 at a time as one synthetic page of mean keys (bf16) with values
-//                     bf16(v_sum / n) and a logit bias ln n (n tokens of logit s and value v_sum / n, the
-//                     CPU's FoldPooled), then the dense path's epilogue (Rᵀ, ×λ_v, +μ_v, bf16).
+//                     route), then the pooled pages as synthetic bf16 pages, one per slice of 64
+//                     pages that either block pools, whose rows are the stored mean keys and V sums,
+//                     copied, weighted by token count in the softmax sum. (Splitting one block's pages
+//                     over both groups instead measured 1.29x slower on H3: no ping-pong, a merge at
+//                     the end; bench/RESULTS.md, session 8.) Elsewhere one CTA of 4 warps × 16 rows per
+//                     (query block, head) (attention_sparse.cu, mma.sync, every arch): the exact pages
+//                     in ascending order (raw copy, codec decode, S = Q·Kᵀ, masks, online softmax, O +=
+//                     P·V), then the pooled pages a slice of 64 at a time as one synthetic page of mean
+//                     keys (bf16) with values bf16(v_sum / n) and a logit bias ln n (n tokens of logit s
+//                     and value v_sum / n, the CPU's FoldPooled), then the dense path's epilogue (Rᵀ,
+//                     ×λ_v, +μ_v, bf16).
 // Results equal the CPU reference's routing exactly and its outputs to rounding (bf16 tiles, bf16 P,
 // fold order); tests/kernels/cuda_sparse_test.cc holds both to that.
 //
