@@ -162,6 +162,29 @@ TEST_F(KvpackEval, SparseOnLocalityDataReportsTheRoutedFraction) {
   EXPECT_NE(full.out.find("\"tail\": false"), std::string::npos) << full.out;
 }
 
+// --dump writes the data it evaluated; run again on those files, the same rows give the same answer.
+TEST_F(KvpackEval, DumpWritesTheInputsItEvaluated) {
+  const std::string dir = ::testing::TempDir();
+  const ExecResult r = Exec("--locality 2:8:8:64:2:32 --sparse topk=0.3 --seed 5 --dump " + dir);
+  ASSERT_EQ(r.code, 0) << r.out;
+  NpyArray q, k, v;
+  std::string error;
+  ASSERT_TRUE(ReadNpy(dir + "/q.npy", &q, &error)) << error;
+  ASSERT_TRUE(ReadNpy(dir + "/k.npy", &k, &error)) << error;
+  ASSERT_TRUE(ReadNpy(dir + "/v.npy", &v, &error)) << error;
+  const std::vector<int64_t> shape = {64 + 2 * 8 * 8, 2, 32};
+  EXPECT_EQ(q.shape, shape);
+  EXPECT_EQ(k.shape, shape);
+  EXPECT_EQ(v.shape, shape);
+  const ExecResult again = Exec("--q " + dir + "/q.npy --k " + dir + "/k.npy --v " + dir + "/v.npy --sparse topk=0.3");
+  ASSERT_EQ(again.code, 0) << again.out;
+  EXPECT_EQ(JsonNumber(again.out, "rel_l2"), JsonNumber(r.out, "rel_l2"));
+  EXPECT_EQ(JsonNumber(again.out, "routed_fraction"), JsonNumber(r.out, "routed_fraction"));
+  const ExecResult bad = Exec("--locality 2:8:8:64:2:32 --dump /nonexistent/dir");
+  EXPECT_EQ(bad.code, 2) << bad.out;
+  EXPECT_NE(bad.out.find("--dump: cannot write /nonexistent/dir/q.npy"), std::string::npos) << bad.out;
+}
+
 TEST_F(KvpackEval, BadInputsExitWithCodeTwoAndSayWhy) {
   auto write_raw = [&](const std::string& name, const std::string& bytes) {
     std::ofstream(Path(name), std::ios::binary) << bytes;

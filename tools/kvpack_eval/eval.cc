@@ -85,7 +85,9 @@ const char kEvalUsage[] =
     "attention; the JSON adds routed_fraction and the dense packed path's dense_rel_l2 and dense_cosine.\n"
     "--mma auto|bf16|int8: the tensor-core arithmetic (kernels/mma_path.h; auto as the daemon resolves it);\n"
     "the JSON names the path run (mma) and its own error, mma_rel_l2: its output vs the exact (fp32) attention\n"
-    "over the same pages (0 on the bf16 path).\n";
+    "over the same pages (0 on the bf16 path).\n"
+    "--dump DIR also writes the inputs (files, synthetic or locality data) as DIR/q.npy, k.npy, v.npy\n"
+    "(float32 [N, H, d]; the directory must exist), so that another attention can run on the same data.\n";
 
 bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::string* error) {
   int64_t queries = -1;
@@ -143,6 +145,9 @@ bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::st
         return *error = "--sparse " + v + ": expected topk=R or tau=T", false;
       }
       if (Error e = ValidateSparse(o->sparse); !e.ok()) return *error = "--sparse " + v + ": " + e.message(), false;
+    } else if (a == "--dump") {
+      if (!value(&o->dump_dir)) return false;
+      if (o->dump_dir.empty()) return *error = "--dump needs a directory", false;
     } else if (a == "--no-tail") {
       o->sparse.tail = false;
       sparse_flag = a;
@@ -298,6 +303,15 @@ int RunEval(const EvalOptions& o, std::string* json, std::string* error) {
   LayerShape shape{n_k, static_cast<int>(heads * d), static_cast<int>(heads), static_cast<int>(d)};
   if (heads > INT32_MAX / d) return *error = "H·d is too large", kExitUsage;
   if (Error e = ValidateShape(shape, false); !e.ok()) return *error = e.message(), kExitUsage;
+
+  if (!o.dump_dir.empty()) {
+    const std::pair<const char*, const NpyArray*> arrays[] = {{"q", &q}, {"k", &k}, {"v", &v}};
+    for (const auto& [name, array] : arrays) {
+      const std::string path = o.dump_dir + "/" + name + ".npy";
+      const int64_t rows = array == &q ? n_q : n_k;
+      if (!WriteNpy(path, {rows, heads, d}, array->data)) return *error = "--dump: cannot write " + path, kExitUsage;
+    }
+  }
 
   // Reference and packed attention.
   AttentionOptions attention;

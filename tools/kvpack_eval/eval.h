@@ -48,6 +48,7 @@ struct EvalOptions {
   MmaPath mma = MmaPath::kAuto;             // --mma auto|bf16|int8 (mma_path.h)
   TransformOptions transforms;
   float scale = 0.0f;  // 0: 1/sqrt(d)
+  std::string dump_dir;  // --dump DIR: the inputs as DIR/{q,k,v}.npy (float32 [N, H, d]), for peers to run on
   int threads = 0;
 };
 
