@@ -5,6 +5,7 @@
 #   OUT=$OUT [options] bash bench/h200.sh kernels            # build the kernels there, GPU tests, timings
 #   OUT=$OUT [options] bash bench/h200.sh daemon BUNDLE      # the daemon suite from a bundle built here
 #   OUT=$OUT [options] bash bench/h200.sh kernels daemon BUNDLE
+#   OUT=$OUT [options] bash bench/h200.sh peers              # the peers beside torch SDPA (no build)
 #
 # kernels: CMake + nvcc on the H200 (no server: it has no gRPC), with GoogleTest from .carry/googletest
 #   (KVPACK_GTEST_SOURCE_DIR); ptxas registers/spills and the sm90 kernel's SASS counts; the gpu-labelled
@@ -20,6 +21,7 @@
 #     PROFILE=1        Nsight Compute of one INT4 attention launch (+ bench/sass_profile.py)
 #     EPI_PROFILE=1    Nsight Compute of one K/V row-epilogue launch
 #     TQ_SWEEP="4096" / TP_SWEEP="2048 8192"   the INT4 layer at other query / projection chunks
+#     PEERS=1          then the peers mode (below) in the same call
 # daemon: from `shared/tools/bundle-binaries BUNDLE kvpackd daemon_ipc_bench bench_layer cuda_daemon_test
 #   cuda_layer_test cuda_head_choice_test cuda_interleave_test`: the CUDA kernel and daemon tests, one layer through kvpackd with
 #   CUDA IPC next to the same layer called directly (N = 32768 and H3, in place too), the chunk-interleaving
@@ -31,6 +33,14 @@
 # oom12 BUNDLE: that case alone (WHEELS=... as above). OOM12_N="8192 152263": a cheap flow check (cap kept,
 #   held scaled), then the full N (the default). OOM12_ARGS passes more flags (--cap_gib, --held_gib,
 #   --held_on_top, --modes, --no_torch, --no_reference: the fit-table spot checks, README.md).
+# peers: bench/peers.py, issues 12 and 13's peers on torch_baseline's inputs (56×128, hidden 7168):
+#   comfy-kitchen 0.2.40 int8_attention, sol_attn and sol_attn_chunked (top-k 0.2), SageAttention 1.0.6
+#   sageattn, torch SDPA cuDNN / FlashAttention; attention ms, TFLOP/s, peak GiB, error vs FP32. The
+#   packages come from scripts/peer_wheels.sh: the site dir PEERS_SITE (default .carry/peers/site) or,
+#   where it is absent, its tarball PEERS_TGZ (default .carry/peers/peers.tgz, 35 MiB: carry that one,
+#   the site dir and it together pass the 64 MiB a call carries) unpacked into /tmp.
+#   PEERS_N="32768 152263" (the default); PEERS_ARGS passes more flags (--methods, --reps, --topk_ratio,
+#   --chunk). $OUT/peers.jsonl, the table in the summary.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvpack-h200}
 mkdir -p "$OUT" /tmp/h200-logs
@@ -238,11 +248,28 @@ run_oom12() {  # bundle dir
   done
 }
 
+# ── peers ───────────────────────────────────────────────────────────────────────────────────────────
+run_peers() {
+  local site=${PEERS_SITE:-.carry/peers/site} tgz=${PEERS_TGZ:-.carry/peers/peers.tgz}
+  [[ $site = /* ]] || site=$ROOT/$site
+  [[ $tgz = /* ]] || tgz=$ROOT/$tgz
+  if [[ ! -d "$site/comfy_kitchen" && -f "$tgz" ]]; then
+    mkdir -p /tmp/peers && tar xzf "$tgz" -C /tmp/peers && site=/tmp/peers/site
+  fi
+  [[ -d "$site/comfy_kitchen" && -d "$site/sageattention" ]] ||
+    { say "peers: no site dir (PEERS_SITE) or tarball (PEERS_TGZ); make them with scripts/peer_wheels.sh"; return 1; }
+  # shellcheck disable=SC2086  # PEERS_N and PEERS_ARGS are lists
+  PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" timeout "${PEERS_TIMEOUT:-540}" python3 "$ROOT/bench/peers.py" \
+    --n ${PEERS_N:-32768 152263} --out "$OUT/peers.jsonl" ${PEERS_ARGS:-} 2>"$LOGS/peers.err" | tee -a "$SUMMARY"
+  say "peers exit ${PIPESTATUS[0]}"
+}
+
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    kernels) run_kernels; shift ;;
+    kernels) run_kernels; [[ -n "${PEERS:-}" ]] && run_peers; shift ;;
     daemon) run_daemon "${2:?daemon BUNDLE}"; shift 2 ;;
     oom12) run_oom12 "${2:?oom12 BUNDLE}"; shift 2 ;;
-    *) echo "h200.sh: unknown mode $1 (kernels | daemon BUNDLE | oom12 BUNDLE)"; exit 2 ;;
+    peers) run_peers; shift ;;
+    *) echo "h200.sh: unknown mode $1 (kernels | daemon BUNDLE | oom12 BUNDLE | peers)"; exit 2 ;;
   esac
 done

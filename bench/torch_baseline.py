@@ -64,19 +64,30 @@ def torch_layer(x, w, heads, dim, backend):
     return o.squeeze(0).transpose(0, 1).reshape(n, heads * dim)
 
 
-def reference_rows(x, w, heads, dim, rows):
-    """FP32 attention (no TF32) of the sampled query rows over all keys."""
+def rms_norm_(t, eps):
+    """Per-head RMSNorm with unit weight over the last dim, in place (no squared copy of t)."""
+    ms = torch.linalg.vector_norm(t, dim=-1, keepdim=True).square_().div_(t.shape[-1])
+    return t.mul_(torch.rsqrt(ms.add_(eps)))
+
+
+def reference_rows(x, w, heads, dim, rows, qk_norm_eps=None):
+    """FP32 attention (no TF32) of the sampled query rows over all keys. With qk_norm_eps, q and k
+    go through a per-head RMSNorm first (models with QK-norm; comfy-kitchen's sol_attn_chunked)."""
     n, hd = x.shape[0], heads * dim
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     wf = w.float()
     q = (x[rows].float() @ wf[:hd].T).view(len(rows), heads, dim).transpose(0, 1)   # [H, 64, d]
+    if qk_norm_eps is not None:
+        q = rms_norm_(q, qk_norm_eps)
     out = torch.zeros(heads, len(rows), dim, device=x.device)
     hs = max(1, 8 * 1024 * 1024 * 1024 // (n * dim * 4 * 2))
     for h0 in range(0, heads, hs):
         h1 = min(heads, h0 + hs)
         cols = slice(hd + h0 * dim, hd + h1 * dim)
         k = (x.float() @ wf[cols].T).view(n, h1 - h0, dim).transpose(0, 1)
+        if qk_norm_eps is not None:
+            k = rms_norm_(k, qk_norm_eps)
         vcols = slice(2 * hd + h0 * dim, 2 * hd + h1 * dim)
         v = (x.float() @ wf[vcols].T).view(n, h1 - h0, dim).transpose(0, 1)
         s = (q[h0:h1] @ k.transpose(1, 2)) / math.sqrt(dim)
