@@ -41,6 +41,10 @@
 #   the site dir and it together pass the 64 MiB a call carries) unpacked into /tmp.
 #   PEERS_N="32768 152263" (the default); PEERS_ARGS passes more flags (--methods, --reps, --topk_ratio,
 #   --chunk). $OUT/peers.jsonl, the table in the summary.
+#     SOL_ACCURACY=KVPACK_EVAL   then issue 13's accuracy check on locality data (d = 128, 4224 tokens): the
+#                      kvpack-eval binary given writes each data kind (locality, qknorm, iid) with --dump and
+#                      reports kvpack's sparse path per top-k and tail (CPU); bench/sol_accuracy.py runs
+#                      sol_attn on the same files. $OUT/sol_accuracy.jsonl, both tables in the summary.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvpack-h200}
 mkdir -p "$OUT" /tmp/h200-logs
@@ -262,6 +266,27 @@ run_peers() {
   PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" timeout "${PEERS_TIMEOUT:-540}" python3 "$ROOT/bench/peers.py" \
     --n ${PEERS_N:-32768 152263} --out "$OUT/peers.jsonl" ${PEERS_ARGS:-} 2>"$LOGS/peers.err" | tee -a "$SUMMARY"
   say "peers exit ${PIPESTATUS[0]}"
+  [[ -n "${SOL_ACCURACY:-}" ]] && sol_accuracy "$site"
+}
+sol_accuracy() {  # site dir
+  local eval=$SOL_ACCURACY dirs=() kind r tail
+  [[ $eval = /* ]] || eval=$ROOT/$eval
+  say "kvpack sparse (kvpack-eval --locality 4:32:32:128:2:128 --seed 1, INT4, CPU): data top-k tail routed rel_l2 cosine"
+  for kind in locality qknorm iid; do
+    mkdir -p "/tmp/loc_$kind"
+    for r in 0.1 0.2 0.3; do
+      for tail in on off; do
+        "$eval" --locality 4:32:32:128:2:128 --data "$kind" --seed 1 --sparse "topk=$r" \
+          $([[ $tail = off ]] && echo --no-tail) $([[ ! -f /tmp/loc_$kind/v.npy ]] && echo --dump /tmp/loc_$kind) \
+          2>>"$LOGS/sol_accuracy.err" |
+          python3 -c "import json,sys; j=json.load(sys.stdin); print('$kind', $r, '$tail', round(j['routed_fraction'], 4), round(j['rel_l2'], 4), round(j['cosine'], 5))" |
+          tee -a "$SUMMARY"
+      done
+    done
+    dirs+=("/tmp/loc_$kind:$kind")
+  done
+  PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" timeout 300 python3 "$ROOT/bench/sol_accuracy.py" --data "${dirs[@]}" \
+    --out "$OUT/sol_accuracy.jsonl" 2>>"$LOGS/sol_accuracy.err" | tee -a "$SUMMARY"
 }
 
 while [[ $# -gt 0 ]]; do
