@@ -218,7 +218,6 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           const int st = j % T::kRawStages;
           IssuePageCopy<kDim>(p.kv.pool, source, raw + st * stage_bytes, p.max_page_bytes, SmemAddr(&raw_full[st]));
           raw_desc[st] = source.desc;
-          if constexpr (kRouted) raw_desc[st].reserved = scratch.visible[j] >> kRoutedOffsetBits;  // group bits
           if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + VisibleOffset<kRouted>(scratch.visible[j + 1]));
         };
         if (tid == 0) {
@@ -367,12 +366,6 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
                 if (!(member >> (n * 8 + 2 * t + (e & 1)) & 1ull)) SetFloat(sc[n][e], -INFINITY);
               }
             }
-          } else if (!(page.reserved >> consumer & 1u)) {  // the other block's exact page
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) SetFloat(sc[n][e], -INFINITY);
-            }
           } else if (page.n_valid < kPageTokens || (p.visibility.causal && page.token_begin + page.n_valid - 1 > group_t0)) {
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
@@ -464,7 +457,43 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         }
       };
 
-      if constexpr (T::kStages >= 3) {
+      if constexpr (kRouted) {
+        // Routed: each group walks the window's list in order but computes only its own pages (an exact
+        // page the other block routes is released unread: in the union of two blocks' pages it would be
+        // masked whole, ~45% of the MMAs on inputs without locality). A group's page is done — its S,
+        // softmax and P·V waited for — before it moves on, so it holds one stage at a time and its
+        // arrivals on the empty barriers come in page order, whatever the gap to its next page; the
+        // two groups' MMAs and softmaxes interleave on the SM as their warps are ready.
+        const bool all_mine = w0 >= n_pages;  // the pooled pass: both groups take every synthetic page
+        auto mine = [&](int i) { return all_mine || (scratch.visible[i] >> (kRoutedOffsetBits + consumer) & 1u); };
+        auto release = [&](int i) {
+          if (i + T::kStages < n_visible) BarArrive(T::kEmptyBar + i % T::kStages, T::kThreads);
+        };
+        SAcc (&sc)[8][4] = s_cur;
+        for (int i = 0;; ++i) {
+          for (; i < n_visible && !mine(i); ++i) {  // the other group's page: its fill (the stage's phases
+            const int s = i % T::kStages;          // stay in order), then its release
+            MbarWait(SmemAddr(&tile_full[s]), (full_phase >> s) & 1u);
+            full_phase ^= 1u << s;
+            release(i);
+          }
+          if (i >= n_visible) break;
+          float corr[2];
+          float4 keys[8];
+          issue_s(sc, i, true);
+          load_keys(keys, i);
+          WgmmaWait<0>();
+          FenceRegs(sc);
+          softmax(sc, keys, i, corr);
+          rescale_o(corr);
+          pack_p(sc);
+          issue_pv(i);
+          WgmmaWait<0>();
+          FenceRegs(o);
+          fence_p();
+          release(i);
+        }
+      } else if constexpr (T::kStages >= 3) {
         // Deep ring: at the top of step i, P(i) is in `a` and O is scaled to page i's row maxima. The
         // group issues S(i+1) and P(i)·V back to back, then computes the softmax of page i + 1 while
         // P(i)·V runs. The two consumer groups take turns to issue (kTurnBar), so that one group's

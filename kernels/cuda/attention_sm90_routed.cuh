@@ -13,8 +13,8 @@ namespace kvpack::cuda::sm90 {
 // ── The routed (block-sparse) instance (sparse.h) ───────────────────────────────────────────────
 // A CTA takes query blocks 2·blockIdx.x and 2·blockIdx.x + 1 of the launch (pages first_page + b), one
 // per consumer group. The visible list of a window holds the pages that either block attends exactly,
-// each entry's bits 14–15 saying which (kRoutedMember: bit c = group c); a group masks whole pages it
-// does not route. After the last window one more pass streams the pooled pages as synthetic pages
+// each entry's bits 14–15 saying which (bit c = group c); a group computes only its own pages and
+// releases the other block's unread. After the last window one more pass streams the pooled pages as synthetic pages
 // (PageDesc::reserved = kSyntheticPage): synthetic page i is the slice of pages 64·i … 64·i + 63 of the
 // head, its K rows their mean keys and its V rows their V sums (the stored bf16 statistics, [H, P, d],
 // so a slice is contiguous), copied by the producers straight into the tiles; key j counts n_j tokens
