@@ -27,7 +27,7 @@ int64_t SparseBlocksPerChunk(const LayerConfig& config);
 // BuildPageLayout(config.ranges).
 int64_t SparseChunkEnd(const LayerConfig& config, const std::vector<PageDesc>& pages, int64_t begin);
 
-// The GPU routing kernel (cuda/sparse_route.cu) sorts one (block, head)'s page scores in shared memory:
+// The GPU routing kernel (cuda/sparse_route.cu) keys (and may sort) one (block, head)'s page scores in shared memory:
 // 8 bytes per page rounded up to a power of two, plus a byte per page of marks rounded to 16. Pure, so
 // that the backend can check a GPU's per-block limit before anything is reserved: on GPUs of 99 KB per
 // block (sm_86, sm_89, sm_120) entries of more than 8192 pages (524,288 tokens) do not route.

@@ -32,9 +32,10 @@
 // bf16 [H, P, d] × 2, the range flags, exact and pooled bitmasks uint32 [blocks per chunk, H, ⌈P/32⌉]
 // each, three uint64 tallies, the chunk's centroids float [blocks, H, d] and scores float [blocks, H, P].
 // H3 (N = 152,263: P = 2380, 56 heads × 128; Tq 4224: 68 blocks): statistics 68.2 MB (136.5 as
-// float), scores 36.3 MB, bitmasks 2.3 MB, centroids 1.9 MB — 108.7 MB. The route kernel sorts one
-// (block, head)'s scores in shared memory: 8 bytes per page rounded up to a power of two, so entries
-// have at most kMaxSparsePagesGpu pages.
+// float), scores 36.3 MB, bitmasks 2.3 MB, centroids 1.9 MB — 108.7 MB. The route kernel holds one
+// (block, head)'s sort keys in shared memory: 8 bytes per page rounded up to a power of two (it selects
+// the top k by radix select and sorts them only for the relative threshold or a floor that top-k does
+// not meet), so entries have at most kMaxSparsePagesGpu pages.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -122,6 +122,58 @@ __device__ void SortDescending(unsigned long long* keys, int n) {
   }
 }
 
+// The k largest of keys[0, n) (distinct where nonzero, 1 ≤ k ≤ the nonzero count), found a byte at a
+// time from the top (radix select) instead of by sorting: they are the keys with key >> *shift ≥
+// *prefix. Each round histograms the next byte of the keys that share the bytes chosen so far, and one
+// warp finds the byte value where the count from the top reaches k; the search stops at the first byte
+// whose bucket holds exactly the keys still wanted (so within 8 rounds: the keys are distinct).
+// Every thread of the CTA calls it.
+__device__ void SelectLargestKeys(const unsigned long long* keys, int n, int k, unsigned long long* prefix, int* shift) {
+  __shared__ int hist[256];
+  __shared__ unsigned long long chosen;  // the bytes chosen so far
+  __shared__ int wanted, done;           // keys still wanted among those sharing them
+  const int tid = threadIdx.x;
+  if (tid == 0) chosen = 0, wanted = k, done = 0;
+  for (int s = 56; s >= 0; s -= 8) {
+    for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    const unsigned long long high = chosen;
+    for (int i = tid; i < n; i += blockDim.x) {
+      const unsigned long long key = keys[i];
+      if (key != 0 && (s == 56 || key >> (s + 8) == high)) atomicAdd(&hist[key >> s & 255], 1);
+    }
+    __syncthreads();
+    if (tid < 32) {  // lane l: bytes 255 − 8l … 248 − 8l, counted from the top
+      int own = 0;
+      for (int j = 0; j < 8; ++j) own += hist[255 - 8 * tid - j];
+      int above = own;  // inclusive scan over the lanes
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, above, o);
+        if (tid >= o) above += v;
+      }
+      above -= own;  // keys in higher bytes than lane l's
+      const int want = wanted;
+      if (above < want && above + own >= want) {
+        for (int j = 0; j < 8; ++j) {
+          const int byte = 255 - 8 * tid - j, c = hist[byte];
+          if (above + c >= want) {
+            chosen = high << 8 | static_cast<unsigned long long>(byte);
+            wanted = want - above;
+            done = c == want - above;
+            break;
+          }
+          above += c;
+        }
+      }
+    }
+    __syncthreads();
+    if (done) {
+      *prefix = chosen, *shift = s;
+      return;
+    }
+  }
+}
+
 constexpr uint8_t kExact = 1, kVisible = 2;
 
 // Centroids: one CTA per (query block, head), one thread per channel — the mean of the block's stored
@@ -230,12 +282,19 @@ __global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseCh
       if (mark[pg] & kVisible) mark[pg] |= kExact, --left;
     }
   }
-  SortDescending(keys, sort_size);  // its barriers publish the sinks too
+  __syncthreads();  // the sinks
   const int nv = n_visible;
-  if (nv > 0 && sparse.mode == SparseMode::kTopK) {
-    const int k = TopKCount(sparse.topk_ratio, nv);
-    for (int i = tid; i < k; i += blockDim.x) mark[PageOfKey(keys[i])] |= kExact;
+  bool sorted = false;
+  if (nv > 0 && sparse.mode == SparseMode::kTopK) {  // the k best without a sort
+    unsigned long long prefix = 0;
+    int shift = 0;
+    SelectLargestKeys(keys, P, TopKCount(sparse.topk_ratio, nv), &prefix, &shift);
+    for (int pg = tid; pg < P; pg += blockDim.x) {
+      if (keys[pg] != 0 && keys[pg] >> shift >= prefix) mark[pg] |= kExact;
+    }
   } else if (nv > 0) {
+    SortDescending(keys, sort_size);
+    sorted = true;
     if (tid == 0) {  // over the fully visible pages, in score order (the CPU's sums)
       double sum = 0.0, sum2 = 0.0, top = -INFINITY;
       int scored = 0;
@@ -264,8 +323,9 @@ __global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseCh
   for (int pg = tid; pg < P; pg += blockDim.x) mine += mark[pg] & kExact;
   atomicAdd(&n_marked, mine);
   __syncthreads();
+  const int floor = min(sparse.min_exact_pages, nv);
+  if (n_marked < floor && !sorted) SortDescending(keys, sort_size);  // the floor walks the score order
   if (tid == 0) {  // the floor: the best remaining pages
-    const int floor = min(sparse.min_exact_pages, nv);
     int count = n_marked;
     for (int i = 0; i < nv && count < floor; ++i) {
       uint8_t& m = mark[PageOfKey(keys[i])];

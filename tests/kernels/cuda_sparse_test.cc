@@ -92,18 +92,20 @@ struct KernelCase {
   int heads, dim;
   bool causal;
   SparseOptions sparse;
+  int tokens = 1000;
 };
 
 TestLayer KernelLayer(const KernelCase& c) {
-  TestLayer L = MakeTestLayer(1000, 64, c.heads, c.dim, 97, PageFormat::kInt4);
+  TestLayer L = MakeTestLayer(c.tokens, 64, c.heads, c.dim, 97, PageFormat::kInt4);
   // Text (BF16, always attended), video INT4 with a partial page, a second sequence in INT8.
+  const int split = c.tokens * 7 / 10;
   L.config.ranges = {{0, 77, 0, PageFormat::kBf16, /*always_attend=*/true},
-                     {77, 700, 0, PageFormat::kInt4},
-                     {700, 1000, 1, PageFormat::kInt8}};
+                     {77, split, 0, PageFormat::kInt4},
+                     {split, c.tokens, 1, PageFormat::kInt8}};
   L.config.attention.causal = c.causal;
   L.config.attention.sparse = c.sparse;
   L.config.attention.sparse.enabled = true;
-  L.config.query_chunk = 1000;
+  L.config.query_chunk = c.tokens;
   return L;
 }
 
@@ -245,6 +247,24 @@ TEST(CudaSparse, TopKD128MatchesTheCpuRouteForRoute) {
   s.topk_ratio = 0.2f;
   s.sink_pages = 1;
   RunKernelCaseEachKernel({"topk 0.2, d 128, 1 sink", 2, 128, false, s});
+}
+
+// The GPU selects the top k by radix select; a floor above k makes it sort as rel-tau does.
+TEST(CudaSparse, TopKFloorAboveKD64MatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  SparseOptions s;
+  s.topk_ratio = 0.1f;
+  s.min_exact_pages = 9;
+  RunKernelCaseEachKernel({"topk 0.1, floor 9, d 64", 2, 64, false, s});
+}
+
+// About 130 pages, ~40 routed per block: the radix select over many keys.
+TEST(CudaSparse, TopK30ManyPagesD128MatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  SparseOptions s;
+  s.topk_ratio = 0.3f;
+  s.sink_pages = 1;
+  RunKernelCaseEachKernel({"topk 0.3, 8192 tokens, d 128, 1 sink", 2, 128, false, s, 8192});
 }
 
 TEST(CudaSparse, RelTauCausalD64MatchesTheCpu) {
