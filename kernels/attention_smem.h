@@ -42,9 +42,13 @@ constexpr int MmaSyncStaticSmem(int threads) {
 
 // ── wgmma kernel (attention_sm90.cu, attention_sm90_tile.h) ──────────────────────────────────────
 // 1 KiB alignment slack, Q [128][d], kStages decoded K and V tiles [64][d], three raw stages of one K
-// and one V page; four decoded stages where the CTA stays within kSm90MaxDynamicSmem, else two.
+// and one V page; four decoded stages where the CTA stays within kWgmmaDynamicLimit, else two. These are
+// the bf16 MMA path's bytes, which bound the INT8 path's: its Q and K tiles are int8 ([rows][128]), and
+// it spends what that leaves on more raw stages (WgmmaRawStagesWithin), up to six. (H200: +3 % on the
+// INT8 path at N = 32768 and on H3; the same on the bf16 path cost 9 %, so it keeps three.)
 inline constexpr int kWgmmaAlign = 1024;
-inline constexpr int kWgmmaRawStages = 3;
+inline constexpr int kWgmmaRawStages = 3;     // the bf16 path's, and the least
+inline constexpr int kWgmmaMaxRawStages = 6;  // the most (the INT8 path)
 inline constexpr int kWgmmaThreads = 512;
 inline constexpr int kWgmmaWindow = 3072;
 inline constexpr int kWgmmaDeepStages = 4;
@@ -61,13 +65,20 @@ constexpr int WgmmaStagesFor(int head_dim, int max_page_bytes) {
 constexpr int WgmmaDynamicSmem(int head_dim, int max_page_bytes) {
   return WgmmaDynamicSmemFor(head_dim, WgmmaStagesFor(head_dim, max_page_bytes), max_page_bytes);
 }
+// Raw stages when `fixed` dynamic bytes (alignment, Q and the decoded tiles) come first and the whole
+// stays within `budget`: as many as fit, from kWgmmaRawStages to kWgmmaMaxRawStages.
+constexpr int WgmmaRawStagesWithin(int fixed, int budget, int max_page_bytes) {
+  const int fit = (budget - fixed) / (2 * max_page_bytes);
+  return fit < kWgmmaRawStages ? kWgmmaRawStages : fit > kWgmmaMaxRawStages ? kWgmmaMaxRawStages : fit;
+}
 // The kernel's static shared variables: QueryRuns, VisibleScratch<512, 3072>, raw/tile PageDesc
-// (16 B), raw/tile mbarriers (8 B), one uint32 and the key table (float4 [stages][32]); plus 64 bytes
-// for the compiler's alignment padding between them: an upper bound (ptxas -v: 11952 bytes with four
-// stages, 10880 with two; the bound is 12020 and 10948).
+// (16 B), raw/tile mbarriers (8 B; the raw ones for six stages), one uint32, the key table (float4
+// [stages][32]) and the INT8 path's query scales (float [2][128]); plus 64 bytes for the compiler's
+// alignment padding between them: an upper bound (ptxas -v: 12032 bytes with four stages, 10960 with
+// two, 13056 on the INT8 path; the bound is 13116 and 12044).
 constexpr int WgmmaStaticSmemBound(int stages) {
-  return QueryRunsBytes() + VisibleScratchBytes(kWgmmaThreads, kWgmmaWindow) + (kWgmmaRawStages + stages) * (16 + 8) +
-         4 + stages * (kPageTokens / 2) * 16 + 64;
+  return QueryRunsBytes() + VisibleScratchBytes(kWgmmaThreads, kWgmmaWindow) + (kWgmmaMaxRawStages + stages) * (16 + 8) +
+         4 + stages * (kPageTokens / 2) * 16 + 2 * kAttentionTileQueries * 4 + 64;
 }
 
 }  // namespace kvpack

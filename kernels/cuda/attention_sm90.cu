@@ -2,7 +2,7 @@
 //
 // A CTA of four warp groups takes one tile of kTileQueries = 128 query rows of one head:
 //   warp groups 0 and 1, the producers (56 registers each after setmaxnreg): bulk-copy the raw bytes
-//     of the visible pages into a ring of kRawStages stages and decode each page's K and V into a
+//     of the visible pages into a ring of 3 to 6 raw stages (Sm90RawStages) and decode each page's K and V into a
 //     ring of kStages bf16 tiles laid out as wgmma reads them (attention_sm90_pages.cuh);
 //   warp groups 2 and 3, the consumers (200 registers), 64 query rows each: S = Q·Kᵀ (wgmma, Q and K
 //     from shared memory), logits from S and the key table, masks and the online softmax in
@@ -116,8 +116,8 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   __shared__ QueryRuns runs;
   __shared__ VisibleScratch<T::kThreads, T::kWindow> scratch;
-  __shared__ PageDesc raw_desc[T::kRawStages], tile_desc[T::kStages];
-  __shared__ uint64_t raw_full[T::kRawStages];  // mbarriers: raw stage filled
+  __shared__ PageDesc raw_desc[T::kMaxRawStages], tile_desc[T::kStages];
+  __shared__ uint64_t raw_full[T::kMaxRawStages];  // mbarriers: raw stage filled
   __shared__ uint64_t tile_full[T::kStages];    // mbarriers: decoded stage filled (every producer arrives)
   __shared__ uint32_t bf16_exponent;             // kBf16Exponent, see Int4CodesPlus128
   __shared__ float4 key_table[T::kStages][kPageTokens / 2];  // (a_j, b_j, a_j+1, b_j+1): DecodePage
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
   }
   if (tid == 0) {
     bf16_exponent = kBf16Exponent;
-    for (int st = 0; st < T::kRawStages; ++st) MbarInit(SmemAddr(&raw_full[st]), 1);
+    for (int st = 0; st < T::kMaxRawStages; ++st) MbarInit(SmemAddr(&raw_full[st]), 1);
     for (int st = 0; st < T::kStages; ++st) MbarInit(SmemAddr(&tile_full[st]), T::kProducerThreads);
     MbarInitFence();
   }
@@ -181,6 +181,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
     SetMaxRegisters<T::kProducerRegisters, false>();
     uint32_t raw_phase = 0;  // bit st: the parity of raw stage st's next completion
     const uint32_t exponent = bf16_exponent;
+    const int n_raw = Sm90RawStages<kDim, kStages, kInt8Qk>(p.max_page_bytes);  // the launch sized for these
     const int n_end = kRouted ? n_pages + T::kWindow : n_pages;  // routed: one more pass, the pooled pages
     for (int w0 = 0; w0 < n_end; w0 += T::kWindow) {
       const bool synthetic = kRouted && w0 >= n_pages;
@@ -215,20 +216,20 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         const int stage_bytes = 2 * p.max_page_bytes;
         PageSource source;
         auto issue = [&](int j) {  // thread 0: page j's copies, then the source of page j + 1
-          const int st = j % T::kRawStages;
+          const int st = j % n_raw;
           IssuePageCopy<kDim>(p.kv.pool, source, raw + st * stage_bytes, p.max_page_bytes, SmemAddr(&raw_full[st]));
           raw_desc[st] = source.desc;
           if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + VisibleOffset<kRouted>(scratch.visible[j + 1]));
         };
         if (tid == 0) {
           source = FetchPageSource(p, head, w0 + VisibleOffset<kRouted>(scratch.visible[0]));
-          for (int j = 0; j < T::kRawStages - 1 && j < n_visible; ++j) issue(j);
+          for (int j = 0; j < n_raw - 1 && j < n_visible; ++j) issue(j);
         }
         for (int i = 0; i < n_visible; ++i) {
           BarSync(T::kProducerBar, T::kProducerThreads);  // everyone has decoded page i − 1: its stage is free
-          const int next = i + T::kRawStages - 1;
+          const int next = i + n_raw - 1;
           if (tid == 0 && next < n_visible) issue(next);
-          const int st = i % T::kRawStages;
+          const int st = i % n_raw;
           MbarWait(SmemAddr(&raw_full[st]), (raw_phase >> st) & 1u);
           raw_phase ^= 1u << st;
           const int s = i % T::kStages;

@@ -9,13 +9,14 @@
 //   Q      [2 groups][64 rows][kDim]   bf16, swizzled     kQBytes
 //   K      [kStages][64 keys][kDim]    bf16, swizzled     kStages · kKTileBytes
 //   V      [kStages][64 keys][kDim]    bf16, swizzled     kStages · kTileBytes
-//   raw    [kRawStages][K page | V page]                  kRawStages · 2 · max_page_bytes
+//   raw    [raw stages][K page | V page]                  3 to 6 stages · 2 · max_page_bytes
 // On the INT8 MMA path (kInt8Qk, mma_path.h) Q and K hold int8 codes instead, one 128-byte swizzled
 // row per query or key ([rows][128] int8; at d = 64 the second half of each row is unused, so that
 // both head sizes share the 128-byte swizzle), so Q is 16 KiB and a K stage 8 KiB.
 // The epilogue stages float rows [128][kDim + 4] over Q, K and V once every MMA is done.
 #pragma once
 
+#include "kernels/attention_smem.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/format.h"
 
@@ -51,7 +52,8 @@ struct Sm90Tile {
   static_assert(kProducerThreads * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <= 65536,
                 "register file");
   static constexpr int kStages = kStagesT;  // decoded K/V tiles in flight: 4 where shared memory allows, else 2
-  static constexpr int kRawStages = 3;      // raw pages in flight (one being decoded, two arriving)
+  // Raw pages in flight (one being decoded, the others arriving): Sm90RawStages of them, 3 to 6.
+  static constexpr int kMinRawStages = kWgmmaRawStages, kMaxRawStages = kWgmmaMaxRawStages;
   static constexpr int kTileBytes = kPageTokens * kDim * 2;               // a bf16 V (or K) tile
   static constexpr int kInt8RowBytes = 128;                                // an int8 Q or K row
   static constexpr int kKTileBytes = kInt8Qk ? kPageTokens * kInt8RowBytes : kTileBytes;
@@ -77,12 +79,27 @@ struct Sm90Tile {
 };
 
 template <int kDim, int kStages, bool kInt8Qk = false>
+constexpr int Sm90DynamicSmem(int max_page_bytes);
+// The raw stages of an instance: three on the bf16 path; on the INT8 path as many (up to six) as fit
+// within the bf16 path's bytes for the same page (attention_smem.h). The kernel computes the same
+// figure from max_page_bytes.
+template <int kDim, int kStages, bool kInt8Qk = false>
+__host__ __device__ constexpr int Sm90RawStages(int max_page_bytes) {
+  using T = Sm90Tile<kDim, kStages, kInt8Qk>;
+  if constexpr (!kInt8Qk) {
+    return T::kMinRawStages;
+  } else {
+    return WgmmaRawStagesWithin(T::kAlign + T::kRawOffset, Sm90DynamicSmem<kDim, kStages, false>(max_page_bytes),
+                                max_page_bytes);
+  }
+}
+template <int kDim, int kStages, bool kInt8Qk>
 constexpr int Sm90DynamicSmem(int max_page_bytes) {
   using T = Sm90Tile<kDim, kStages, kInt8Qk>;
-  return T::kAlign + T::kRawOffset + T::kRawStages * 2 * max_page_bytes;
+  return T::kAlign + T::kRawOffset + Sm90RawStages<kDim, kStages, kInt8Qk>(max_page_bytes) * 2 * max_page_bytes;
 }
 
-// Four decoded stages where they fit beside the static shared memory (~9 KB) in the 227 KB of an
+// Four decoded stages where they fit beside the static shared memory (~12 KB) in the 227 KB of an
 // SM: every format at d = 64, INT4 and INT8 at d = 128; BF16 pages at d = 128 take two. (The
 // consumers hold two pages — S(i+1) runs while page i is in P·V — and hand a page back mid-way
 // through the next, so with three stages the producer had half a page's time to decode each.)
@@ -97,5 +114,8 @@ static_assert(Sm90DynamicSmem<128, kSm90DeepStages, true>(PageBytes(PageFormat::
               "the INT8 MMA path takes four stages with INT4 and INT8 pages");
 static_assert(Sm90DynamicSmem<64, kSm90DeepStages>(PageBytes(PageFormat::kBf16, 64)) <= kSm90MaxDynamicSmem,
               "d = 64 takes four stages with any page (so it has no two-stage instance)");
+static_assert(Sm90RawStages<128, kSm90DeepStages, true>(PageBytes(PageFormat::kInt4, 128)) == 6 &&
+                  Sm90RawStages<128, kSm90DeepStages, true>(PageBytes(PageFormat::kInt8, 128)) == 5,
+              "the INT8 path's raw stages at d = 128 (attention_smem.h)");
 
 }  // namespace kvpack::cuda
