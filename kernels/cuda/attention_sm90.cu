@@ -508,6 +508,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         WgmmaWait<0>();
         FenceRegs(sc);
         softmax(sc, keys, 0, corr);
+        rescale_o(corr);  // O from the windows before (zero in the first)
         pack_p(sc);
         if (T::kPingPong && consumer == 1) BarArrive(T::kTurnBar, 2 * 128);  // group 0 issues first
         for (int i = 0; i < n_visible; ++i) {
