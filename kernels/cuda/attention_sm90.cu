@@ -13,7 +13,7 @@
 // The tiles change hands through tile_full[s] (an mbarrier: every producer thread arrives, each consumer
 // waits on its own) and the named barrier kEmptyBar + s (consumers arrive, producers wait); kTurnBar + c
 // orders the consumer groups' MMA issues. Tile configuration: attention_sm90_tile.h; PTX wrappers:
-// attention_sm90_ptx.cuh.
+// attention_sm90_ptx.cuh; the INT8 path's Q tile: attention_sm90_int8.cuh.
 //
 // The roles' loops stay in this one kernel function on purpose: a split into a producer function and
 // a consumer struct (commit bcacd65, bit-identical outputs) measured 7–9% slower over INT4 and INT8
@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/attention_device.cuh"
+#include "kernels/cuda/attention_sm90_int8.cuh"
 #include "kernels/cuda/attention_sm90_pages.cuh"
 #include "kernels/cuda/attention_sm90_ptx.cuh"
 #include "kernels/cuda/attention_sm90_routed.cuh"
@@ -34,76 +35,6 @@ namespace kvpack::cuda {
 namespace {
 
 using namespace sm90;
-
-// The INT8 MMA path's per-row query data (mma_path.h): s_q and Σ_c q̂_c / s_q of each query row of the
-// tile, written by QuantizeQueryTile; empty on the bf16 path.
-template <bool kInt8Qk>
-struct Int8QueryRows {
-  float scale[kTileQueries];
-  float sum_over_scale[kTileQueries];
-};
-template <>
-struct Int8QueryRows<false> {};
-
-// The INT8 MMA path's Q: every warp of the CTA quantizes rows warp, warp + kWarps, … of the tile from
-// the bf16 stored-form Q (QueryScaleOf / QueryCode, as the CPU reference) into the swizzled int8 tile
-// [2 groups][64 rows][128 bytes] (lane l's kDim/32 codes at byte l·kDim/32 of the row), and lane 0
-// writes the row's s_q and Σq̂ / s_q (|Σq̂ / s_q| ≤ 127·kDim). Rows past n_rows are zero rows.
-template <class T>
-__device__ __forceinline__ void QuantizeQueryTile(const AttentionParams& p, int64_t q0, int n_rows, int head,
-                                                  uint8_t* q_tile, Int8QueryRows<true>& rows) {
-  constexpr int kPerLane = T::kDim / 32;
-  constexpr int kWarps = T::kThreads / 32;
-  const int lane = threadIdx.x & 31;
-  for (int r = threadIdx.x >> 5; r < kTileQueries; r += kWarps) {
-    float x[kPerLane];
-    uint32_t bits[kPerLane / 2] = {};
-    if (r < n_rows) {
-      const uint16_t* src = p.q + (q0 + r) * p.q_stride + head * T::kDim + lane * kPerLane;
-      if constexpr (kPerLane == 4) {
-        const uint2 w = *reinterpret_cast<const uint2*>(src);
-        bits[0] = w.x, bits[1] = w.y;
-      } else {
-        bits[0] = *reinterpret_cast<const uint32_t*>(src);
-      }
-    }
-    float amax = 0.0f, sum = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      x[i] = __uint_as_float(i & 1 ? bits[i / 2] & 0xffff0000u : bits[i / 2] << 16);
-      amax = fmaxf(amax, fabsf(x[i]));
-      sum += x[i];
-    }
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) {
-      amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, m));
-      sum += __shfl_xor_sync(kFullMask, sum, m);
-    }
-    const QueryScale qs = QueryScaleOf(amax);
-    uint32_t codes = 0;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) codes |= (static_cast<uint32_t>(QueryCode(x[i], qs)) & 0xffu) << (8 * i);
-    const int rr = r % T::kGroupRows, byte = lane * kPerLane;
-    uint8_t* dst = q_tile + (r / T::kGroupRows) * (T::kQBytes / 2) + rr * T::kInt8RowBytes +
-                   (((byte >> 4) ^ (rr & 7)) << 4) + (byte & 15);
-    if constexpr (kPerLane == 4) {
-      *reinterpret_cast<uint32_t*>(dst) = codes;
-    } else {
-      *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>(codes);
-    }
-    if (lane == 0) rows.scale[r] = qs.scale, rows.sum_over_scale[r] = sum / qs.scale;
-  }
-}
-
-// S accumulators as floats: the bf16 path's are floats; the INT8 path's hold int32 until the softmax
-// turns them into floats in the same registers. |S| < 2^22 (127 · 127 · 128 with INT8 keys, 127 · 15 · 128
-// with INT4), so 2^23 + 2^22 + S is exact in fp32 and one integer add and one float subtract convert it.
-__device__ __forceinline__ float AsFloat(float x) { return x; }
-__device__ __forceinline__ float AsFloat(uint32_t x) { return __uint_as_float(x); }
-__device__ __forceinline__ void SetFloat(float& d, float v) { d = v; }
-__device__ __forceinline__ void SetFloat(uint32_t& d, float v) { d = __float_as_uint(v); }
-__device__ __forceinline__ float AccumulatorValue(float x) { return x; }
-__device__ __forceinline__ float AccumulatorValue(uint32_t s) { return __uint_as_float(s + 0x4B400000u) - 12582912.0f; }
 
 template <int kDim, int kStages, bool kInt8Qk, bool kRouted>
 __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1) AttentionSm90Kernel(const AttentionParams p) {
@@ -314,13 +245,19 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
       // `wait` = false re-issues a page the group already holds (the last page's S(i+1): a wasted
       // 1/n_visible of the MMAs, so that no wgmma sits in a branch, which would serialise them all).
       // The INT8 path: k-step kc reads 32 int8 channels, the same 32 bytes into the row.
+      // Waits for visible page i's fill (every group waits for every page, in order: the stage phases).
+      auto wait_full = [&](int i) {
+        const int s = i % T::kStages;
+        MbarWait(SmemAddr(&tile_full[s]), (full_phase >> s) & 1u);
+        full_phase ^= 1u << s;
+      };
+      // Hands page i's stage back, where the producer will wait for it (page i + kStages exists).
+      auto release = [&](int i) {
+        if (i + T::kStages < n_visible) BarArrive(T::kEmptyBar + i % T::kStages, T::kThreads);
+      };
       auto issue_s = [&](SAcc (&sc)[8][4], int i, bool wait) {
         const uint64_t k_desc = Desc(SmemAddr(smem + T::kKOffset + (i % T::kStages) * T::kKTileBytes), 16, 1024);
-        if (wait) {
-          const int s = i % T::kStages;
-          MbarWait(SmemAddr(&tile_full[s]), (full_phase >> s) & 1u);
-          full_phase ^= 1u << s;
-        }
+        if (wait) wait_full(i);
         FenceRegs(sc);
         WgmmaFence();
         if constexpr (kInt8Qk) {
@@ -467,17 +404,10 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         // two groups' MMAs and softmaxes interleave on the SM as their warps are ready.
         const bool all_mine = w0 >= n_pages;  // the pooled pass: both groups take every synthetic page
         auto mine = [&](int i) { return all_mine || (scratch.visible[i] >> (kRoutedOffsetBits + consumer) & 1u); };
-        auto release = [&](int i) {
-          if (i + T::kStages < n_visible) BarArrive(T::kEmptyBar + i % T::kStages, T::kThreads);
-        };
         SAcc (&sc)[8][4] = s_cur;
         for (int i = 0;; ++i) {
-          for (; i < n_visible && !mine(i); ++i) {  // the other group's page: its fill (the stage's phases
-            const int s = i % T::kStages;          // stay in order), then its release
-            MbarWait(SmemAddr(&tile_full[s]), (full_phase >> s) & 1u);
-            full_phase ^= 1u << s;
-            release(i);
-          }
+          for (; i < n_visible && !mine(i); ++i) wait_full(i), release(i);  // the other group's page
+
           if (i >= n_visible) break;
           float corr[2];
           float4 keys[8];
@@ -524,7 +454,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           WgmmaWait<0>();
           FenceRegs(o);
           fence_p();
-          if (i + T::kStages < n_visible) BarArrive(T::kEmptyBar + i % T::kStages, T::kThreads);
+          release(i);
           if (more) {
             rescale_o(corr);
             pack_p(sc);
@@ -542,7 +472,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           FenceRegs(o);
           FenceRegs(sc);
           fence_p();
-          if (i > 0 && i - 1 + T::kStages < n_visible) BarArrive(T::kEmptyBar + (i - 1) % T::kStages, T::kThreads);
+          if (i > 0) release(i - 1);
           float corr[2];
           softmax(sc, keys, i, corr);
           rescale_o(corr);
