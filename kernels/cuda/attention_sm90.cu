@@ -407,7 +407,6 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         SAcc (&sc)[8][4] = s_cur;
         for (int i = 0;; ++i) {
           for (; i < n_visible && !mine(i); ++i) wait_full(i), release(i);  // the other group's page
-
           if (i >= n_visible) break;
           float corr[2];
           float4 keys[8];
