@@ -190,16 +190,23 @@ __global__ void CentroidKernel(const AttentionParams p, float* centroids) {
 
 // Dots centroid · mean_k of every (block, page) of a head: scores[b, h, pg], each a double sum over the
 // channels in order of the float centroid times the bf16 mean key, rounded to float (the CPU's
-// DotBf16), not yet scaled. A CTA takes kScoreBlocks
-// blocks × kScorePages pages of one head through shared memory, so each mean key is read once per
-// kScoreBlocks blocks (one CTA per (block, head) reading all of them took 0.2 s on H3's layer).
-constexpr int kScoreBlocks = 32, kScorePages = 32, kScoreThreads = 256;  // 33 KB of static shared memory
+// DotBf16), not yet scaled. A CTA takes kScoreBlocks blocks × kScorePages pages of one head through
+// shared memory, so each mean key is read once per kScoreBlocks blocks (one CTA per (block, head)
+// reading all of them took 0.2 s on H3's layer). Both are held as doubles, converted once as they are
+// loaded: converting them in the inner loop (float → double per multiply) made the conversions, not
+// the double FMA pipe, the limit (0.72 ms per H3 chunk).
+constexpr int kScoreBlocks = 32, kScorePages = 32, kScoreThreads = 256;
 constexpr int kScorePerThread = kScoreBlocks * kScorePages / kScoreThreads;  // pages per thread
 template <int kDim>
+constexpr int ScoreSharedBytes() {
+  return (kScoreBlocks + kScorePages) * (kDim + 1) * static_cast<int>(sizeof(double));  // 66 KB at d = 128
+}
+template <int kDim>
 __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(const AttentionParams p, const float* centroids, float* scores) {
-  constexpr int kPitch = kDim + 1;  // floats per row: conflict-free column reads
-  __shared__ float cen[kScoreBlocks][kPitch];
-  __shared__ float keys[kScorePages][kPitch];
+  constexpr int kPitch = kDim + 1;  // doubles per row: conflict-free column reads
+  extern __shared__ double score_smem[];
+  double(*cen)[kPitch] = reinterpret_cast<double(*)[kPitch]>(score_smem);
+  double(*keys)[kPitch] = reinterpret_cast<double(*)[kPitch]>(score_smem + kScoreBlocks * kPitch);
   const int b0 = blockIdx.x * kScoreBlocks, h = blockIdx.y, pg0 = blockIdx.z * kScorePages, tid = threadIdx.x;
   const int P = p.kv.n_pages, H = p.kv.n_heads;
   for (int u = tid; u < kScoreBlocks * kDim; u += kScoreThreads) {
@@ -422,9 +429,10 @@ Error LaunchRoutePages(const SparseChunk& chunk, cudaStream_t stream) {
   KVPACK_CUDA_RETURN_LAUNCH("sparse centroids");
   const dim3 tiles((blocks + kScoreBlocks - 1) / kScoreBlocks, H, (P + kScorePages - 1) / kScorePages);
   if (d == 128) {
-    ScoreKernel<128><<<tiles, kScoreThreads, 0, stream>>>(a, chunk.centroids, chunk.scores);
+    KVPACK_CUDA_RETURN(cudaFuncSetAttribute(ScoreKernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, ScoreSharedBytes<128>()));
+    ScoreKernel<128><<<tiles, kScoreThreads, ScoreSharedBytes<128>(), stream>>>(a, chunk.centroids, chunk.scores);
   } else if (d == 64) {
-    ScoreKernel<64><<<tiles, kScoreThreads, 0, stream>>>(a, chunk.centroids, chunk.scores);
+    ScoreKernel<64><<<tiles, kScoreThreads, ScoreSharedBytes<64>(), stream>>>(a, chunk.centroids, chunk.scores);
   } else {
     return Unsupported("sparse attention: head_dim must be 64 or 128");
   }
