@@ -13,12 +13,15 @@
 //                     and pooled pages.
 //   LaunchSparseAttention  per query chunk. On the wgmma kernel's GPUs (sm_90a) its routed instance
 //                     (attention_sm90.cu): a CTA takes two query blocks, one per consumer group, and
-//                     streams the union of their exact pages (each group masks the pages it does not
-//                     route), then the pooled pages as synthetic bf16 pages, one per slice of 64
-//                     pages that either block pools, whose rows are the stored mean keys and V sums,
-//                     copied, weighted by token count in the softmax sum. (Splitting one block's pages
-//                     over both groups instead measured 1.29x slower on H3: no ping-pong, a merge at
-//                     the end; bench/RESULTS.md, session 8.) Elsewhere one CTA of 4 warps × 16 rows per
+//                     streams the union of their exact pages (each group computes only its own block's
+//                     and releases the other's unread, a page at a time), then the pooled pages as
+//                     synthetic bf16 pages, one per slice of 64 pages that either block pools, whose
+//                     rows are the stored mean keys and V sums, copied, weighted by token count in the
+//                     softmax sum. Measured slower on H3 (bench/RESULTS.md, sessions 8 and 13): one
+//                     block split over both groups (1.29x, and 1.24x with each group pipelined), each
+//                     group pipelining its own pages (+1.5-2%), and the INT8 MMA path (exact pages
+//                     -1%, with the mean keys quantized per synthetic page +16%). Elsewhere one CTA of
+//                     4 warps × 16 rows per
 //                     (query block, head) (attention_sparse.cu, mma.sync, every arch): the exact pages
 //                     in ascending order (raw copy, codec decode, S = Q·Kᵀ, masks, online softmax, O +=
 //                     P·V), then the pooled pages a slice of 64 at a time as one synthetic page of mean
