@@ -190,46 +190,57 @@ __global__ void CentroidKernel(const AttentionParams p, float* centroids) {
 
 // Dots centroid · mean_k of every (block, page) of a head: scores[b, h, pg], each a double sum over the
 // channels in order of the float centroid times the bf16 mean key, rounded to float (the CPU's
-// DotBf16), not yet scaled. A CTA takes kScoreBlocks blocks × kScorePages pages of one head through
-// shared memory, so each mean key is read once per kScoreBlocks blocks (one CTA per (block, head)
-// reading all of them took 0.2 s on H3's layer). Both are held as doubles, converted once as they are
-// loaded: converting them in the inner loop (float → double per multiply) made the conversions, not
-// the double FMA pipe, the limit (0.72 ms per H3 chunk).
-constexpr int kScoreBlocks = 32, kScorePages = 32, kScoreThreads = 256;
-constexpr int kScorePerThread = kScoreBlocks * kScorePages / kScoreThreads;  // pages per thread
-template <int kDim>
-constexpr int ScoreSharedBytes() {
-  return (kScoreBlocks + kScorePages) * (kDim + 1) * static_cast<int>(sizeof(double));  // 66 KB at d = 128
-}
+// DotBf16), not yet scaled. A CTA takes kScoreBlocks blocks × kScorePages pages of one head, kScoreChunk
+// channels at a time through shared memory (as doubles, converted once as they are loaded), and each
+// thread a 4 × 4 tile of scores: 8 shared loads per 16 double FMAs, so that the FMA pipe rather than
+// shared memory sets the pace (one score per thread, 5 loads per 4 FMAs, ran at ~1.6 T FMA/s on the
+// H200; one CTA per (block, head) reading every mean key took 0.2 s on H3's layer). Each score's sum
+// still runs over the channels in order, so the scores are the same bits.
+constexpr int kScoreBlocks = 32, kScorePages = 64, kScoreChunk = 32, kScoreTile = 4;
+constexpr int kScoreThreads = (kScoreBlocks / kScoreTile) * (kScorePages / kScoreTile);  // 128
 template <int kDim>
 __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(const AttentionParams p, const float* centroids, float* scores) {
-  constexpr int kPitch = kDim + 1;  // doubles per row: conflict-free column reads
-  extern __shared__ double score_smem[];
-  double(*cen)[kPitch] = reinterpret_cast<double(*)[kPitch]>(score_smem);
-  double(*keys)[kPitch] = reinterpret_cast<double(*)[kPitch]>(score_smem + kScoreBlocks * kPitch);
+  static_assert(kDim % kScoreChunk == 0, "whole channel chunks");
+  constexpr int kPitch = kScoreChunk + 1;  // doubles per row: a warp's 16 key rows in distinct banks
+  constexpr int kBlockStep = kScoreBlocks / kScoreTile, kPageStep = kScorePages / kScoreTile;  // 8, 16
+  __shared__ double cen[kScoreBlocks][kPitch];
+  __shared__ double keys[kScorePages][kPitch];
   const int b0 = blockIdx.x * kScoreBlocks, h = blockIdx.y, pg0 = blockIdx.z * kScorePages, tid = threadIdx.x;
   const int P = p.kv.n_pages, H = p.kv.n_heads;
-  for (int u = tid; u < kScoreBlocks * kDim; u += kScoreThreads) {
-    const int r = u / kDim, c = u % kDim;
-    cen[r][c] = b0 + r < p.route.n_blocks ? centroids[(static_cast<int64_t>(b0 + r) * H + h) * kDim + c] : 0.0f;
-  }
-  for (int u = tid; u < kScorePages * kDim; u += kScoreThreads) {
-    const int r = u / kDim, c = u % kDim;
-    keys[r][c] = pg0 + r < P ? Bf16ToFloat(p.route.mean_k[(static_cast<int64_t>(h) * P + pg0 + r) * kDim + c]) : 0.0f;
-  }
-  __syncthreads();
-  const int rb = tid / (kScorePages / kScorePerThread), rp = tid % (kScorePages / kScorePerThread);
-  double acc[kScorePerThread] = {};
-  for (int c = 0; c < kDim; ++c) {
-    const double x = cen[rb][c];
+  const int rb = tid / kPageStep, rp = tid % kPageStep;  // blocks rb + 8·i, pages rp + 16·j
+  double acc[kScoreTile][kScoreTile] = {};
+  for (int c0 = 0; c0 < kDim; c0 += kScoreChunk) {
+    for (int u = tid; u < kScoreBlocks * kScoreChunk; u += kScoreThreads) {
+      const int r = u / kScoreChunk, c = u % kScoreChunk;
+      cen[r][c] = b0 + r < p.route.n_blocks ? centroids[(static_cast<int64_t>(b0 + r) * H + h) * kDim + c0 + c] : 0.0f;
+    }
+    for (int u = tid; u < kScorePages * kScoreChunk; u += kScoreThreads) {
+      const int r = u / kScoreChunk, c = u % kScoreChunk;
+      keys[r][c] = pg0 + r < P ? Bf16ToFloat(p.route.mean_k[(static_cast<int64_t>(h) * P + pg0 + r) * kDim + c0 + c]) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int c = 0; c < kScoreChunk; ++c) {
+      double x[kScoreTile], y[kScoreTile];
 #pragma unroll
-    for (int j = 0; j < kScorePerThread; ++j) acc[j] += x * keys[rp + j * (kScorePages / kScorePerThread)][c];
-  }
-  if (b0 + rb >= p.route.n_blocks) return;
+      for (int i = 0; i < kScoreTile; ++i) x[i] = cen[rb + kBlockStep * i][c], y[i] = keys[rp + kPageStep * i][c];
 #pragma unroll
-  for (int j = 0; j < kScorePerThread; ++j) {
-    const int pg = pg0 + rp + j * (kScorePages / kScorePerThread);
-    if (pg < P) scores[(static_cast<int64_t>(b0 + rb) * H + h) * P + pg] = static_cast<float>(acc[j]);
+      for (int i = 0; i < kScoreTile; ++i) {
+#pragma unroll
+        for (int j = 0; j < kScoreTile; ++j) acc[i][j] += x[i] * y[j];
+      }
+    }
+    __syncthreads();  // every thread is done with the chunk before the next one overwrites it
+  }
+#pragma unroll
+  for (int i = 0; i < kScoreTile; ++i) {
+    const int b = b0 + rb + kBlockStep * i;
+    if (b >= p.route.n_blocks) continue;
+#pragma unroll
+    for (int j = 0; j < kScoreTile; ++j) {
+      const int pg = pg0 + rp + kPageStep * j;
+      if (pg < P) scores[(static_cast<int64_t>(b) * H + h) * P + pg] = static_cast<float>(acc[i][j]);
+    }
   }
 }
 
@@ -429,10 +440,9 @@ Error LaunchRoutePages(const SparseChunk& chunk, cudaStream_t stream) {
   KVPACK_CUDA_RETURN_LAUNCH("sparse centroids");
   const dim3 tiles((blocks + kScoreBlocks - 1) / kScoreBlocks, H, (P + kScorePages - 1) / kScorePages);
   if (d == 128) {
-    KVPACK_CUDA_RETURN(cudaFuncSetAttribute(ScoreKernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, ScoreSharedBytes<128>()));
-    ScoreKernel<128><<<tiles, kScoreThreads, ScoreSharedBytes<128>(), stream>>>(a, chunk.centroids, chunk.scores);
+    ScoreKernel<128><<<tiles, kScoreThreads, 0, stream>>>(a, chunk.centroids, chunk.scores);
   } else if (d == 64) {
-    ScoreKernel<64><<<tiles, kScoreThreads, ScoreSharedBytes<64>(), stream>>>(a, chunk.centroids, chunk.scores);
+    ScoreKernel<64><<<tiles, kScoreThreads, 0, stream>>>(a, chunk.centroids, chunk.scores);
   } else {
     return Unsupported("sparse attention: head_dim must be 64 or 128");
   }
