@@ -192,9 +192,9 @@ __global__ void CentroidKernel(const AttentionParams p, float* centroids) {
 // channels in order of the float centroid times the bf16 mean key, rounded to float (the CPU's
 // DotBf16), not yet scaled. A CTA takes kScoreBlocks blocks × kScorePages pages of one head, kScoreChunk
 // channels at a time through shared memory (as doubles, converted once as they are loaded), and each
-// thread a 4 × 4 tile of scores: 8 shared loads per 16 double FMAs, so that the FMA pipe rather than
-// shared memory sets the pace (one score per thread, 5 loads per 4 FMAs, ran at ~1.6 T FMA/s on the
-// H200; one CTA per (block, head) reading every mean key took 0.2 s on H3's layer). Each score's sum
+// thread a 4 × 4 tile of scores: 8 shared loads per 16 double FMAs (four scores of one block per
+// thread, 5 loads per 4 FMAs, took H3's routing to 29.6 ms where this takes 23.0, session 13 on the
+// H100; one CTA per (block, head) reading every mean key took 0.2 s on H3's layer). Each score's sum
 // still runs over the channels in order, so the scores are the same bits.
 constexpr int kScoreBlocks = 32, kScorePages = 64, kScoreChunk = 32, kScoreTile = 4;
 constexpr int kScoreThreads = (kScoreBlocks / kScoreTile) * (kScorePages / kScoreTile);  // 128
