@@ -37,7 +37,7 @@ class CudaDaemonTest : public ::testing::TestWithParam<std::string> {
     ASSERT_EQ(cudaGetDeviceProperties(&prop_, 0), cudaSuccess);
     daemon_ = std::make_unique<DaemonProcess>(
         std::vector<std::string>{"--backend=cuda", "--vram_budget=2Gi", "--attention_kernel=" + GetParam()});
-    ASSERT_TRUE(daemon_->ok()) << "kvpackd did not start";
+    ASSERT_TRUE(daemon_->ok()) << daemon_->why();
     c_ = daemon_->Connect();
     absl::StatusOr<v1::StatusResponse> s = c_->Status();
     ASSERT_TRUE(s.ok()) << s.status();

@@ -64,7 +64,7 @@ class CudaFaultTest : public ::testing::Test {
     std::vector<std::string> args = {"--backend=cuda", "--vram_budget=4Gi"};
     if (!fault_every_.empty()) args.push_back("--fault_every=" + fault_every_);
     daemon_ = std::make_unique<DaemonProcess>(args);
-    ASSERT_TRUE(daemon_->ok()) << "kvpackd did not start";
+    ASSERT_TRUE(daemon_->ok()) << daemon_->why();
     c_ = daemon_->Connect();
     absl::StatusOr<v1::StatusResponse> s = c_->Status();
     ASSERT_TRUE(s.ok()) << s.status();

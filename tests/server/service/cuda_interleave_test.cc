@@ -86,7 +86,7 @@ class CudaInterleaveTest : public ::testing::Test {
     if (!HaveDevice()) GTEST_SKIP() << "no CUDA device: the CUDA interleaving test runs on a GPU host";
     daemon_ = std::make_unique<DaemonProcess>(
         std::vector<std::string>{"--backend=cuda", "--vram_budget=8Gi", "--threads=2", "--max_chunk_tokens=4096"});
-    ASSERT_TRUE(daemon_->ok()) << "kvpackd did not start";
+    ASSERT_TRUE(daemon_->ok()) << daemon_->why();
     long_client_ = daemon_->Connect();
     short_client_ = daemon_->Connect();
     absl::StatusOr<v1::StatusResponse> s = long_client_->Status();

@@ -41,6 +41,8 @@ class DaemonProcess {
   explicit DaemonProcess(std::vector<std::string> flags, uint64_t address_space = 0) {
     int out[2];
     if (pipe(out) != 0) return;
+    // $KVPACKD overrides the build-time path (a bundle copied to a GPU host).
+    binary_ = getenv("KVPACKD") != nullptr ? getenv("KVPACKD") : KVPACKD_PATH;
     pid_ = fork();
     if (pid_ == 0) {
       if (address_space > 0) {
@@ -50,9 +52,7 @@ class DaemonProcess {
       dup2(out[1], STDOUT_FILENO);
       close(out[0]);
       close(out[1]);
-      // $KVPACKD overrides the build-time path (a bundle copied to a GPU host).
-      const char* binary = getenv("KVPACKD") != nullptr ? getenv("KVPACKD") : KVPACKD_PATH;
-      std::vector<std::string> args = {binary, "--listen=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+      std::vector<std::string> args = {binary_, "--listen=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
                                        "--cpu_threads=1"};
       // A sanitizer build runs layers ~10x slower: in-flight work gets as much longer to drain.
       const bool drain_given = std::any_of(flags.begin(), flags.end(),
@@ -75,6 +75,7 @@ class DaemonProcess {
       port_ = std::stoi(m[1]);
       metrics_port_ = std::stoi(m[2]);
     }
+    first_line_ = line;
   }
 
   ~DaemonProcess() {
@@ -82,6 +83,11 @@ class DaemonProcess {
   }
 
   bool ok() const { return port_ > 0; }
+  // Why ok() is false, for a test's failure message: the binary tried and the daemon's first line.
+  std::string why() const {
+    return "kvpackd did not start: " + binary_ + " printed \"" + first_line_ +
+           "\" (on a host without the build tree, set $KVPACKD to a kvpackd binary)";
+  }
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
   pid_t pid() const { return pid_; }
@@ -130,6 +136,7 @@ class DaemonProcess {
 
  private:
   pid_t pid_ = -1;
+  std::string binary_, first_line_;
   int port_ = 0;
   int metrics_port_ = 0;
   bool stopped_ = false;

@@ -16,7 +16,7 @@ namespace {
 
 class DaemonTest : public ::testing::Test {
  protected:
-  void SetUp() override { ASSERT_TRUE(daemon_.ok()) << "kvpackd did not start"; }
+  void SetUp() override { ASSERT_TRUE(daemon_.ok()) << daemon_.why(); }
   DaemonProcess daemon_{{"--vram_budget=256Mi"}};
 };
 

@@ -80,7 +80,7 @@ class RegionLayer {
 class LayerRegionsCallTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_TRUE(daemon_.ok()) << "kvpackd did not start";
+    ASSERT_TRUE(daemon_.ok()) << daemon_.why();
     c_ = daemon_.Connect();
     absl::StatusOr<v1::WeightsResponse> w = c_->RegisterWeights(WeightsOf(L_));
     ASSERT_TRUE(w.ok()) << w.status();

@@ -80,7 +80,7 @@ std::vector<uint16_t> ToHeadMajor(const std::vector<uint16_t>& rows, int batch) 
 
 class ProjectedTest : public ::testing::Test {
  protected:
-  void SetUp() override { ASSERT_TRUE(daemon_.ok()) << "kvpackd did not start"; }
+  void SetUp() override { ASSERT_TRUE(daemon_.ok()) << daemon_.why(); }
 
   // The reference: x = [q | k | v] per token with the identity weight, through the x + W path.
   std::vector<uint16_t> IdentityPath(client::Client& c) {
