@@ -401,10 +401,8 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         // masked whole, ~45% of the MMAs on inputs without locality). A group's page is done — its S,
         // softmax and P·V waited for — before it moves on, so it holds one stage at a time and its
         // arrivals on the empty barriers come in page order, whatever the gap to its next page; the
-        // two groups' MMAs and softmaxes interleave on the SM as their warps are ready. (Pipelining a
-        // group's own pages as the deep ring does, where the next one is under kStages entries ahead,
-        // measured 1.5-2% slower on H3, session 13; not profiled: the two groups then hold up to all
-        // four stages of the ring, which may starve the producer.)
+        // two groups' MMAs and softmaxes interleave on the SM as their warps are ready (alternatives
+        // measured slower, a pipelined group among them: sparse.h).
         const bool all_mine = w0 >= n_pages;  // the pooled pass: both groups take every synthetic page
         auto mine = [&](int i) { return all_mine || (scratch.visible[i] >> (kRoutedOffsetBits + consumer) & 1u); };
         SAcc (&sc)[8][4] = s_cur;

@@ -48,7 +48,8 @@ int RowsRaisedAt(const std::vector<float>& q, const std::vector<float>& k, int64
       for (int64_t j = 0; j < first + kPageTokens; ++j) {
         double dot = 0.0;
         for (int c = 0; c < kDim; ++c) dot += double(q[t * hd + h * kDim + c]) * k[j * hd + h * kDim + c];
-        (j < first ? before : at) = std::max(j < first ? before : at, dot);
+        double& max = j < first ? before : at;
+        max = std::max(max, dot);
       }
       raised += at > before;
     }
