@@ -23,7 +23,7 @@
 #     TQ_SWEEP="4096" / TP_SWEEP="2048 8192"   the INT4 layer at other query / projection chunks
 #     PEERS=1          then the peers mode (below) in the same call
 # daemon: from `shared/tools/bundle-binaries BUNDLE kvpackd daemon_ipc_bench bench_layer cuda_daemon_test
-#   cuda_layer_test cuda_head_choice_test cuda_interleave_test`: the CUDA kernel and daemon tests, one layer through kvpackd with
+#   cuda_layer_test cuda_row_encoder_test cuda_head_choice_test cuda_interleave_test`: the CUDA kernel and daemon tests, one layer through kvpackd with
 #   CUDA IPC next to the same layer called directly (N = 32768 and H3, in place too), the chunk-interleaving
 #   test (QUICK=1: N = 32768 only), and (WHEELS=.whl: grpcio/protobuf wheels; stubs generated beforehand into
 #   client/python/kvpack/v1) the Python tests of kvpack.torch: CUDA IPC by segment, stream order,
@@ -180,7 +180,7 @@ run_daemon() {
   local B; B=$(cd "${1:?daemon mode needs a bundle dir}" && pwd)
   export KVPACKD="$B/bin/kvpackd"
   export LD_LIBRARY_PATH="$B/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  for t in cuda_layer_test cuda_head_choice_test cuda_daemon_test cuda_interleave_test; do
+  for t in cuda_layer_test cuda_row_encoder_test cuda_attention_window_test cuda_head_choice_test cuda_daemon_test cuda_interleave_test cuda_fault_test; do
     [[ -x "$B/bin/$t" ]] || continue
     timeout 300 "$B/bin/$t" >"$LOGS/$t.log" 2>&1
     say "$t exit $?: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$LOGS/$t.log" | tr '\n' ' ')"
