@@ -63,7 +63,11 @@ Engine::Engine(EngineOptions options, std::unique_ptr<Backend> backend, const Cl
       registry_(clock, options_.lease, options_.registry),
       inline_budget_(options_.max_inline_bytes_in_flight) {
   scheduler_ = std::make_unique<Scheduler>(options_.scheduler, pool_.get(), clock_);
-  if (backend_->TakesTurns()) turns_ = std::make_unique<TurnArbiter>(options_.turns, clock_);
+  if (backend_->TakesTurns()) {
+    turns_ = std::make_unique<TurnArbiter>(options_.turns, clock_);
+    // A call alone on the device may queue its next chunk before the previous one ends (backend.h).
+    backend_->SetRunsAlone([turns = turns_.get()] { return turns->Participants() <= 1; });
+  }
   metrics_ = std::make_unique<Metrics>(options_.version, backend_->name(), backend_->Kernel(), options_.budget_bytes,
                                        [this] { return Gauges(); });
   pool_->SetReleaseListener([this] { scheduler_->Pump(); });
@@ -406,7 +410,8 @@ ChunkGate Engine::GateOf(LayerJob& job) {
 }
 
 // The caller's work that writes the job's CUDA IPC inputs (header.cuda_wait_event), waited for
-// before anything reads them; the wait counts as queue time.
+// before the first launch that reads them (after the host-side preparation); the wait counts as
+// queue time.
 absl::Status Engine::WaitForCaller(LayerJob& job) {
   if (job.wait_event.empty()) return absl::OkStatus();
   const absl::Time t0 = clock_->Now();
@@ -423,7 +428,6 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     return job.cancelled ? absl::CancelledError("cancelled before it ran")
                          : absl::DeadlineExceededError("deadline passed before it ran");
   }
-  if (absl::Status s = WaitForCaller(job); !s.ok()) return s;
   const ChunkGate gate = GateOf(job);
   const LayerConfig& config = job.plan.config;
 
@@ -467,6 +471,9 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   }
   job.peak_bytes = kv_lease.bytes() + ws_lease.bytes() + io_lease.bytes();
   job.allocate_seconds = absl::ToDoubleSeconds(clock_->Now() - allocate_start);
+  // Only now the caller's event: staging host tensors and taking (mapping) the memory need none of
+  // the caller's GPU work, so they overlap it instead of leaving the GPU idle after it.
+  if (absl::Status s = WaitForCaller(job); !s.ok()) return s;
 
   if (job.mode != LayerMode::kAttend) {
     const absl::Time t0 = clock_->Now();

@@ -66,12 +66,23 @@ class FakeDeviceBackend final : public Backend {
   absl::Status WaitIpcEvent(const std::string& handle, absl::Time) override {
     waited_events.push_back(handle);
     waited_before_project = project_calls == 0;
+    if (pool != nullptr) kv_bytes_at_wait = pool->Snapshot().by_state[static_cast<int>(PoolState::kKvActive)];
+    in_wait = true;
+    if (hold_waits) release_waits.wait();
     return event_status;
   }
+  void SetRunsAlone(std::function<bool()> probe) override { runs_alone = std::move(probe); }
 
   std::vector<std::string> waited_events;  // handles, in the order waited for
   bool waited_before_project = false;
   absl::Status event_status;               // what WaitIpcEvent answers
+  const Pool* pool = nullptr;              // the engine's, when a test sets it
+  uint64_t kv_bytes_at_wait = 0;           // the pool's active K/V bytes when the wait began
+  bool hold_waits = false;                 // WaitIpcEvent blocks until release_waits is ready
+  std::shared_future<void> release_waits;
+  std::atomic<bool> in_wait{false};
+  std::function<bool()> runs_alone;        // the engine's probe (SetRunsAlone)
+  std::atomic<int> alone_gates{0}, shared_gates{0};  // chunk gates called alone / beside other calls
   std::atomic<int> project_calls{0};
   std::atomic<uint64_t> copied_in{0}, copied_out{0};
   const uint16_t* last_out = nullptr;
@@ -83,6 +94,7 @@ class FakeDeviceBackend final : public Backend {
   ChunkGate Counted(const ChunkGate& gate, bool* in_chunk) {
     return [this, &gate, in_chunk]() -> Error {
       EndChunk(in_chunk);
+      ++(runs_alone && runs_alone() ? alone_gates : shared_gates);
       Error e = gate();
       if (e.ok()) {
         std::lock_guard<std::mutex> lock(mu_);
@@ -345,6 +357,58 @@ TEST(Engine, AFailedWaitEndsTheJobBeforeItRunsAndFreesItsMemory) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   EXPECT_EQ(engine.pool().Snapshot().allocated, 0u);
+}
+
+// Host-side preparation (staging, taking the memory) comes before the wait for the caller's event,
+// so that it overlaps the caller's GPU work instead of following it.
+TEST(Engine, TakesItsMemoryBeforeWaitingForTheCallersEvent) {
+  SystemClock clock;
+  auto device = std::make_unique<FakeDeviceBackend>();
+  FakeDeviceBackend* fake = device.get();
+  Engine engine(Options(), std::move(device), &clock);
+  fake->pool = &engine.pool();
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(testing::SmallSpec(59));
+  Ran ran = RunOnEngine(engine, L, std::string(64, '\x21'));
+  ASSERT_TRUE(ran.status.ok()) << ran.status;
+  EXPECT_TRUE(fake->waited_before_project);
+  EXPECT_EQ(fake->kv_bytes_at_wait, PoolBytes(ran.plan.kv_bytes)) << "the K/V block was not taken before the wait";
+  EXPECT_GT(fake->copied_in.load(), 0u) << "x was not staged";
+}
+
+// The backend's probe (SetRunsAlone) is true while one call runs, false while another has joined —
+// even one that only waits for its caller's event and does not want the turn yet.
+TEST(Engine, ChunkGatesKnowWhetherTheirCallRunsAlone) {
+  SystemClock clock;
+  EngineOptions options = Options();
+  options.executor_threads = 2;
+  options.max_chunk_tokens = 64;  // several chunks per call
+  auto device = std::make_unique<FakeDeviceBackend>();
+  FakeDeviceBackend* fake = device.get();
+  Engine engine(options, std::move(device), &clock);
+  ASSERT_TRUE(fake->runs_alone != nullptr) << "the engine set no probe on a backend that takes turns";
+  const client::SyntheticLayer a = client::MakeSyntheticLayer(testing::SmallSpec(61));
+  const client::SyntheticLayer b = client::MakeSyntheticLayer(testing::SmallSpec(62));
+
+  ASSERT_TRUE(RunOnEngine(engine, a).status.ok());
+  EXPECT_GT(fake->alone_gates.load(), 2);
+  EXPECT_EQ(fake->shared_gates.load(), 0);
+
+  std::promise<void> release;
+  fake->release_waits = release.get_future().share();
+  fake->hold_waits = true;
+  fake->alone_gates = 0;
+  std::future<Ran> held = std::async(std::launch::async, [&] { return RunOnEngine(engine, a, std::string(64, 'w')); });
+  while (!fake->in_wait) std::this_thread::yield();
+  const Ran beside = RunOnEngine(engine, b);  // runs while the first waits for its caller's event
+  ASSERT_TRUE(beside.status.ok()) << beside.status;
+  EXPECT_GT(fake->shared_gates.load(), 2);
+  EXPECT_EQ(fake->alone_gates.load(), 0) << "a gate ran ahead while another call was running";
+  const int shared = fake->shared_gates;
+  release.set_value();
+  const Ran first = held.get();
+  ASSERT_TRUE(first.status.ok()) << first.status;
+  EXPECT_GT(fake->alone_gates.load(), 2) << "the second call had left: the first runs alone";
+  EXPECT_EQ(fake->shared_gates.load(), shared);
 }
 
 }  // namespace
