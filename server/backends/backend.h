@@ -108,8 +108,8 @@ class Backend {
   // whose calls run side by side on their own threads.
   virtual bool TakesTurns() const { return false; }
   // On a backend that TakesTurns(): the engine's probe of whether the calling request is the only
-  // one running (TurnArbiter::Participants() <= 1), asked at each chunk gate. Null (the default):
-  // never alone. REQUIRES: set before the first layer call, at most once; thread-safe to call.
+  // one running (TurnArbiter::Participants() <= 1; a request joins once its caller's event has
+  // completed), asked at each chunk gate. Null (the default): never alone. REQUIRES: set before the first layer call, at most once; thread-safe to call.
   virtual void SetRunsAlone(std::function<bool()> runs_alone) { (void)runs_alone; }
 
   // ── Memory ──

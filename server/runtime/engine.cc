@@ -316,10 +316,6 @@ void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reserva
     std::lock_guard<std::mutex> lock(mu_);
     posted_.erase(job->task);
   }
-  if (turns_) {
-    job->turn = turns_->Join(job->tenant, job->priority);
-    if (job->cancelled) turns_->Cancel(job->turn);  // Cancel() may have run before the id was set
-  }
   absl::Status status;
   try {
     status = RunLocked(*job, reservation);
@@ -327,7 +323,7 @@ void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reserva
     status = absl::ResourceExhaustedError("the daemon ran out of host memory while running the layer");
   }
   if (turns_) {
-    turns_->Leave(job->turn);
+    turns_->Leave(job->turn);  // ignored when it never joined (it ended before, or had no turns)
     metrics_->ObserveTurnWait(job->turn_wait_seconds);
   }
   reservation.Release();
@@ -474,6 +470,12 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   // Only now the caller's event: staging host tensors and taking (mapping) the memory need none of
   // the caller's GPU work, so they overlap it instead of leaving the GPU idle after it.
   if (absl::Status s = WaitForCaller(job); !s.ok()) return s;
+  // It joins the GPU turns only now: before its caller's work has finished it cannot use the GPU,
+  // so until then it keeps no other call from running ahead of its chunks (backend.h).
+  if (turns_) {
+    job.turn = turns_->Join(job.tenant, job.priority);
+    if (job.cancelled) turns_->Cancel(job.turn);  // Cancel() may have run before the id was set
+  }
 
   if (job.mode != LayerMode::kAttend) {
     const absl::Time t0 = clock_->Now();

@@ -36,6 +36,8 @@ class FakeDeviceBackend final : public Backend {
   absl::Status ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* ws,
                          const ChunkGate& gate) override {
     ++project_calls;
+    in_project = true;
+    if (hold_projects) release_projects.wait();
     bool in_chunk = false;
     absl::Status s = cpu_->ProjectKv(c, t, kv, ws, Counted(gate, &in_chunk));
     EndChunk(&in_chunk);
@@ -78,9 +80,12 @@ class FakeDeviceBackend final : public Backend {
   absl::Status event_status;               // what WaitIpcEvent answers
   const Pool* pool = nullptr;              // the engine's, when a test sets it
   uint64_t kv_bytes_at_wait = 0;           // the pool's active K/V bytes when the wait began
-  bool hold_waits = false;                 // WaitIpcEvent blocks until release_waits is ready
+  std::atomic<bool> hold_waits{false};     // WaitIpcEvent blocks until release_waits is ready
   std::shared_future<void> release_waits;
   std::atomic<bool> in_wait{false};
+  std::atomic<bool> hold_projects{false};  // ProjectKv blocks until release_projects is ready
+  std::shared_future<void> release_projects;
+  std::atomic<bool> in_project{false};
   std::function<bool()> runs_alone;        // the engine's probe (SetRunsAlone)
   std::atomic<int> alone_gates{0}, shared_gates{0};  // chunk gates called alone / beside other calls
   std::atomic<int> project_calls{0};
@@ -375,8 +380,9 @@ TEST(Engine, TakesItsMemoryBeforeWaitingForTheCallersEvent) {
   EXPECT_GT(fake->copied_in.load(), 0u) << "x was not staged";
 }
 
-// The backend's probe (SetRunsAlone) is true while one call runs, false while another has joined —
-// even one that only waits for its caller's event and does not want the turn yet.
+// The backend's probe (SetRunsAlone) is true while one call runs and false while another runs
+// beside it; a call still waiting for its caller's event has not joined (it cannot use the GPU
+// before that work ends), so it does not keep the running one from running ahead.
 TEST(Engine, ChunkGatesKnowWhetherTheirCallRunsAlone) {
   SystemClock clock;
   EngineOptions options = Options();
@@ -393,20 +399,36 @@ TEST(Engine, ChunkGatesKnowWhetherTheirCallRunsAlone) {
   EXPECT_GT(fake->alone_gates.load(), 2);
   EXPECT_EQ(fake->shared_gates.load(), 0);
 
-  std::promise<void> release;
-  fake->release_waits = release.get_future().share();
+  // The first call waits for its caller's event while the second runs: the second runs alone.
+  std::promise<void> release_wait;
+  fake->release_waits = release_wait.get_future().share();
   fake->hold_waits = true;
   fake->alone_gates = 0;
-  std::future<Ran> held = std::async(std::launch::async, [&] { return RunOnEngine(engine, a, std::string(64, 'w')); });
+  std::future<Ran> waiting = std::async(std::launch::async, [&] { return RunOnEngine(engine, a, std::string(64, 'w')); });
   while (!fake->in_wait) std::this_thread::yield();
-  const Ran beside = RunOnEngine(engine, b);  // runs while the first waits for its caller's event
+  ASSERT_TRUE(RunOnEngine(engine, b).status.ok());
+  EXPECT_GT(fake->alone_gates.load(), 2);
+  EXPECT_EQ(fake->shared_gates.load(), 0) << "a call waiting for its caller's event kept another from running ahead";
+  release_wait.set_value();
+  ASSERT_TRUE(waiting.get().status.ok());
+  fake->hold_waits = false;
+
+  // The first call has joined (it waits inside ProjectKv) while the second runs: not alone.
+  std::promise<void> release_project;
+  fake->release_projects = release_project.get_future().share();
+  fake->in_project = false;
+  fake->hold_projects = true;
+  fake->alone_gates = 0;
+  std::future<Ran> running = std::async(std::launch::async, [&] { return RunOnEngine(engine, a); });
+  while (!fake->in_project) std::this_thread::yield();
+  fake->hold_projects = false;  // the second call's ProjectKv goes straight through
+  const Ran beside = RunOnEngine(engine, b);
   ASSERT_TRUE(beside.status.ok()) << beside.status;
   EXPECT_GT(fake->shared_gates.load(), 2);
   EXPECT_EQ(fake->alone_gates.load(), 0) << "a gate ran ahead while another call was running";
   const int shared = fake->shared_gates;
-  release.set_value();
-  const Ran first = held.get();
-  ASSERT_TRUE(first.status.ok()) << first.status;
+  release_project.set_value();
+  ASSERT_TRUE(running.get().status.ok());
   EXPECT_GT(fake->alone_gates.load(), 2) << "the second call had left: the first runs alone";
   EXPECT_EQ(fake->shared_gates.load(), shared);
 }
