@@ -15,11 +15,9 @@ widths by default: the MLP is 35/6 × the hidden size, 8960 at 1536) and reports
   span            from an event on the caller's stream just before the call (q, k, v written) to
                   one just after it (behind the wait on the daemon's done event, or enqueued once
                   the synchronised answer came): the call's footprint on the GPU timeline
-  reply_margin    how long before that second event the answer reached the caller: an event
-                  recorded on an idle side stream when the call returns marks the answer's arrival
-                  on the GPU clock. Positive: the answer came while the daemon's kernels still ran
-                  (the caller's next kernels were queued in time); about 0 (always when
-                  synchronised): the caller's stream sat idle until the answer came
+  answer_ahead    the share of calls whose answer arrived while the daemon's kernels still ran
+                  (ProjectedAttention.last_answer_ahead: its done event still pending), so the
+                  caller's next kernels were queued before the GPU needed them; 0 when synchronised
   queue           the daemon's queue time (admission, and its wait for the caller's event)
 
 Modes: "stream_ordered" (header.cuda_done_event: the daemon answers once its last kernel is queued
@@ -38,9 +36,10 @@ def _median(values):
 
 def measure(attend, *, tokens, heads, head_dim, blocks=12, warmup=2, rounds=2, ffn=None, seed=0):
     """Times `blocks` DiT blocks per mode and round (modes interleaved, so drift hits both alike).
-    `attend`: a kvpack.torch.ProjectedAttention. Returns {"caller_ms", "daemon_ms", "tokens",
-    "heads", "head_dim", "blocks", mode: {"per_call_ms", "span_ms", "reply_margin_ms", "queue_ms",
-    "answered_early", "idle_ms", "call_over_daemon"}}; every time in ms."""
+    `attend`: a kvpack.torch.ProjectedAttention. Returns {"caller_ms", "daemon_ms",
+    "daemon_project_ms", "daemon_attend_ms", "tokens", "heads", "head_dim", "blocks", mode:
+    {"per_call_ms", "span_ms", "queue_ms", "answered_early", "answer_ahead", "idle_ms",
+    "call_over_daemon"}}; every time in ms."""
     import torch
     import torch.nn.functional as F
 
@@ -74,19 +73,19 @@ def measure(attend, *, tokens, heads, head_dim, blocks=12, warmup=2, rounds=2, f
             raise AssertionError("the DiT loop produced non-finite values")
         return 1e3 * (time.perf_counter() - start) / n
 
-    side = torch.cuda.Stream(device=dev)
     marks, results = [], []
 
     def timed(q, k, v):
+        # Events on the caller's stream only, in line with work queued there anyway: a marker on
+        # another stream would give the caller's context GPU work of its own while the daemon's
+        # kernels run (two processes' contexts share the GPU by time slices).
         before = torch.cuda.Event(enable_timing=True)
         before.record()
         out = attend(q, k, v)
-        answered = torch.cuda.Event(enable_timing=True)
-        answered.record(side)           # side is idle: completes as soon as it is enqueued
         after = torch.cuda.Event(enable_timing=True)
         after.record()                  # behind the wait on the done event, if any
-        marks.append((before, answered, after))
-        results.append((attend.last_result, attend.last_stream_ordered))
+        marks.append((before, after))
+        results.append((attend.last_result, attend.last_stream_ordered, attend.last_answer_ahead))
         return out
 
     out = {"tokens": tokens, "heads": heads, "head_dim": head_dim, "blocks": blocks}
@@ -107,17 +106,29 @@ def measure(attend, *, tokens, heads, head_dim, blocks=12, warmup=2, rounds=2, f
     finally:
         attend.use_done_events = saved
     torch.cuda.synchronize()
-    out["caller_ms"] = _median(caller)
-    synced = per_mode["synchronised"]["results"]
-    out["daemon_ms"] = 1e3 * _median([r.seconds.project + r.seconds.attend for r, _ in synced])
+    for m in per_mode.values():
+        m["span"] = [b.elapsed_time(a) for b, a in m.pop("marks")]
+    out.update(summarise(caller, per_mode))
+    return out
+
+
+def summarise(caller, per_mode):
+    """The figures of measure() from its raw times (pure; ms): `caller`, the caller-alone loop's
+    per-block times; per_mode[mode] = {"per_call": loop times per block, "span": [...], "results":
+    [(LayerResult, answered early, answer ahead of the kernels' end), ...]}."""
+    out = {"caller_ms": _median(caller)}
+    synced = [r.seconds for r, _, _ in per_mode["synchronised"]["results"]]
+    out["daemon_project_ms"] = 1e3 * _median([s.project for s in synced])
+    out["daemon_attend_ms"] = 1e3 * _median([s.attend for s in synced])
+    out["daemon_ms"] = 1e3 * _median([s.project + s.attend for s in synced])
     for mode, m in per_mode.items():
         per_call = _median(m["per_call"])
         out[mode] = {
             "per_call_ms": per_call,
-            "span_ms": _median([b.elapsed_time(a) for b, _, a in m["marks"]]),
-            "reply_margin_ms": _median([r.elapsed_time(a) for _, r, a in m["marks"]]),
-            "queue_ms": 1e3 * _median([r.seconds.queue for r, _ in m["results"]]),
-            "answered_early": all(early for _, early in m["results"]),
+            "span_ms": _median(m["span"]),
+            "queue_ms": 1e3 * _median([r.seconds.queue for r, _, _ in m["results"]]),
+            "answered_early": bool(m["results"]) and all(early for _, early, _ in m["results"]),
+            "answer_ahead": sum(ahead for _, _, ahead in m["results"]) / max(1, len(m["results"])),
             "idle_ms": per_call - out["caller_ms"] - out["daemon_ms"],
             "call_over_daemon": (per_call - out["caller_ms"]) / out["daemon_ms"],
         }
@@ -132,8 +143,9 @@ def figure_lines(m):
         lines.append(
             f"FIGURE timeline mode={mode} tokens={m['tokens']} heads={m['heads']}x{m['head_dim']} "
             f"blocks={m['blocks']} per_call_ms={r['per_call_ms']:.3f} caller_ms={m['caller_ms']:.3f} "
-            f"daemon_ms={m['daemon_ms']:.3f} idle_ms={r['idle_ms']:.3f} "
+            f"daemon_ms={m['daemon_ms']:.3f} daemon_project_ms={m['daemon_project_ms']:.3f} "
+            f"daemon_attend_ms={m['daemon_attend_ms']:.3f} idle_ms={r['idle_ms']:.3f} "
             f"call_over_daemon={r['call_over_daemon']:.4f} span_ms={r['span_ms']:.3f} "
-            f"reply_margin_ms={r['reply_margin_ms']:.3f} queue_ms={r['queue_ms']:.3f} "
+            f"answer_ahead={r['answer_ahead']:.2f} queue_ms={r['queue_ms']:.3f} "
             f"answered_early={r['answered_early']}")
     return lines
