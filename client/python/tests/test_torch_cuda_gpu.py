@@ -1,8 +1,9 @@
 """kvpack.torch on the GPU (marker `gpu`): CUDA IPC by segment — steady-state calls register
 nothing and spend little time outside the daemon; tensors freed and reallocated between calls
 (torch.cuda.empty_cache() included) never make the daemon read freed memory, every output checked
-against an fp32 CPU reference and against the inline path — and a ComfyUI-style block under
-torch.compile (Inductor, fullgraph) through the daemon. Prints the figures of issue 17 as
+against an fp32 CPU reference and against the inline path — a ComfyUI-style block under
+torch.compile (Inductor, fullgraph) through the daemon, and the GPU timeline of DiT blocks around
+the calls (kvpack/timeline.py: idle GPU per block, call/daemon). Prints the figures of issue 17 as
 "FIGURE ..." lines (run pytest with -s to see them). Skips without CUDA torch and a CUDA-backed
 kvpackd.
 
