@@ -146,7 +146,7 @@ def timeline_main(args):
         attend = kt.ProjectedAttention(c, formats=("int8",))
         m = timeline.measure(attend, tokens=args.tokens, heads=args.heads, head_dim=args.head_dim,
                              blocks=args.blocks)
-        for line in timeline.figure_lines(m):
+        for line in timeline.figure_lines(m, label=args.label):
             print(line)
         attend.regions.forget_all()
     return 0
@@ -167,6 +167,8 @@ def main():
     ap.add_argument("--timeline", action="store_true",
                     help="DiT blocks on the GPU around each call instead (torch, --backend=cuda)")
     ap.add_argument("--blocks", type=int, default=12, help="--timeline: blocks per loop")
+    ap.add_argument("--label", default=None,
+                    help="--timeline: label=... in the FIGURE lines (e.g. which kvpackd: $KVPACKD)")
     args = ap.parse_args()
     if args.timeline:
         return timeline_main(args)

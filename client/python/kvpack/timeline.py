@@ -135,13 +135,15 @@ def summarise(caller, per_mode):
     return out
 
 
-def figure_lines(m):
-    """The FIGURE lines of one measure() result, one per mode."""
+def figure_lines(m, label=None):
+    """The FIGURE lines of one measure() result, one per mode; `label` (e.g. which kvpackd) goes
+    first when given."""
     lines = []
     for mode in MODES:
         r = m[mode]
         lines.append(
-            f"FIGURE timeline mode={mode} tokens={m['tokens']} heads={m['heads']}x{m['head_dim']} "
+            f"FIGURE timeline {f'label={label} ' if label else ''}mode={mode} tokens={m['tokens']} "
+            f"heads={m['heads']}x{m['head_dim']} "
             f"blocks={m['blocks']} per_call_ms={r['per_call_ms']:.3f} caller_ms={m['caller_ms']:.3f} "
             f"daemon_ms={m['daemon_ms']:.3f} daemon_project_ms={m['daemon_project_ms']:.3f} "
             f"daemon_attend_ms={m['daemon_attend_ms']:.3f} idle_ms={r['idle_ms']:.3f} "

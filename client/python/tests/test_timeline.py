@@ -65,3 +65,10 @@ def test_no_calls_are_not_answered_early():
     per_mode["stream_ordered"]["span"] = []
     m = timeline.summarise(caller, per_mode)
     assert not m["stream_ordered"]["answered_early"]
+
+
+def test_a_label_goes_first():
+    caller, per_mode = raw()
+    m = dict(timeline.summarise(caller, per_mode), tokens=4096, heads=12, head_dim=128, blocks=12)
+    assert all(line.startswith("FIGURE timeline label=base mode=")
+               for line in timeline.figure_lines(m, label="base"))
