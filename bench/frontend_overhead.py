@@ -23,12 +23,18 @@ regions on a machine without a GPU), and times, per call, median over --calls:
 once over the streamed AttentionLayer and once over the unary AttentionLayerRegions (where the
 daemon has it). The shapes are small so that the attention is negligible.
 
+--timeline (torch with CUDA, --backend=cuda) instead measures what a user of the same GPU sees: DiT
+blocks in a loop with the attention through kvpackd over CUDA IPC, wall time per block against the
+caller's kernels alone plus the daemon's own time, with the daemon answering before its kernels end
+(stream order) and after them; FIGURE timeline lines, their fields in client/python/kvpack/timeline.py.
+
 --cpu_latency_us=N (needs write access to /dev/cpu_dma_latency, i.e. root) repeats the unary call
 while this process holds a PM QoS request of N µs (0: idle cores poll instead of entering sleep
 states, machine-wide, for as long as it is held), to show how much of the idle floor is the cores'
 wake-up from sleep states. It measures; kvpackd itself changes nothing about the machine.
 
     python3 bench/frontend_overhead.py [--tokens 256 --heads 2 --head_dim 64 --calls 300]
+    python3 bench/frontend_overhead.py --timeline --backend=cuda --tokens 32760 --heads 12 --head_dim 128
 """
 
 import argparse
@@ -122,6 +128,30 @@ def cpu_latency_request(us):
         os.close(fd)
 
 
+def timeline_main(args):
+    """--timeline: kvpack.timeline.measure against a kvpackd of its own (see the module comment)."""
+    import torch
+
+    import kvpack.torch as kt
+    from kvpack import timeline
+
+    if not torch.cuda.is_available():
+        print("frontend_overhead --timeline: no CUDA device for torch")
+        return 1
+    with testing.LocalDaemon(extra_args=(f"--backend={args.backend}",), budget_bytes=16 << 30) as d, \
+            kvpack.Client(d.target, timeout=120) as c:
+        if c.status().backend != "cuda":
+            print("frontend_overhead --timeline: kvpackd did not start on the CUDA backend")
+            return 1
+        attend = kt.ProjectedAttention(c, formats=("int8",))
+        m = timeline.measure(attend, tokens=args.tokens, heads=args.heads, head_dim=args.head_dim,
+                             blocks=args.blocks)
+        for line in timeline.figure_lines(m, label=args.label):
+            print(line)
+        attend.regions.forget_all()
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=256)
@@ -134,7 +164,14 @@ def main():
                     help="KeepAlive calls for the idle floor (each after the attention's time)")
     ap.add_argument("--cpu_latency_us", type=int, default=-1,
                     help="also run the unary call holding this PM QoS CPU latency request (root)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="DiT blocks on the GPU around each call instead (torch, --backend=cuda)")
+    ap.add_argument("--blocks", type=int, default=12, help="--timeline: blocks per loop")
+    ap.add_argument("--label", default=None,
+                    help="--timeline: label=... in the FIGURE lines (e.g. which kvpackd: $KVPACKD)")
     args = ap.parse_args()
+    if args.timeline:
+        return timeline_main(args)
 
     rng = np.random.default_rng(17)
     hd = args.heads * args.head_dim

@@ -27,7 +27,10 @@
 #   CUDA IPC next to the same layer called directly (N = 32768 and H3, in place too), the chunk-interleaving
 #   test (QUICK=1: N = 32768 only), and (WHEELS=.whl: grpcio/protobuf wheels; stubs generated beforehand into
 #   client/python/kvpack/v1) the Python tests of kvpack.torch: CUDA IPC by segment, stream order,
-#   torch.compile, ComfyUI's model when KVPACK_COMFYUI_DIR names a checkout (FIGURE lines in the summary).
+#   torch.compile, ComfyUI's model when KVPACK_COMFYUI_DIR names a checkout (FIGURE lines in the summary);
+#   then bench/frontend_overhead.py: where a call's time goes, and the GPU timeline of DiT blocks around
+#   the calls at TIMELINE_N tokens (default "4096 32760 75600"; FIGURE timeline lines), with
+#   TIMELINE_BASE=bin/kvpackd-OLD (a second kvpackd put in the bundle) timed first, in the same call.
 #     OOM12=1          then the request's 12 GiB out-of-memory case (bench/oom12.py; needs WHEELS): an
 #                      11.94 GiB cap, PyTorch's OOM, kvpackd per precision mode, errors vs float64
 # oom12 BUNDLE: that case alone (WHEELS=... as above). OOM12_N="8192 152263": a cheap flow check (cap kept,
@@ -223,6 +226,19 @@ run_daemon() {
     PYTHONPATH=/tmp/site:$ROOT/client/python timeout 300 python3 "$ROOT/bench/frontend_overhead.py" \
       --backend=cuda --tokens=4096 --heads=12 --head_dim=128 --cpu_latency_us=0 \
       2>>"$LOGS/frontend_overhead.err" | tee -a "$SUMMARY"
+    # The GPU timeline around the calls (issue 17): DiT blocks with the attention through kvpackd,
+    # per block against the caller's kernels alone plus the daemon's own time (FIGURE timeline).
+    # TIMELINE_BASE=bin/kvpackd-OLD (a second kvpackd in the bundle): the same lines from it first,
+    # labelled, so that both daemons are timed on the same machine in the same call.
+    local kvpackd label
+    for n in ${TIMELINE_N:-4096 32760 75600}; do
+      for kvpackd in ${TIMELINE_BASE:+"$B/$TIMELINE_BASE"} "$B/bin/kvpackd"; do
+        label=$(basename "$kvpackd")
+        KVPACKD=$kvpackd PYTHONPATH=/tmp/site:$ROOT/client/python timeout 300 python3 "$ROOT/bench/frontend_overhead.py" \
+          --timeline --label="$label" --backend=cuda --tokens="$n" --heads=12 --head_dim=128 \
+          2>>"$LOGS/frontend_overhead.err" | tee -a "$SUMMARY"
+      done
+    done
   fi
   [[ -n "${OOM12:-}" ]] && run_oom12 "$B"
   return 0

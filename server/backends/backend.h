@@ -69,9 +69,11 @@ class Backend {
 
   // REQUIRES: Supported(config).ok(); kv has KvBytes, workspace WorkspaceBytes bytes (pool memory).
   // `gate` (kernels/layer_spec.h) is called before each chunk; its error stops the call. On a backend
-  // that TakesTurns(), the work of the previous chunk has finished whenever the gate is called, so
-  // a gate that hands the device to another call hands it over idle. The call's work has finished
-  // when these return.
+  // that TakesTurns(), the work of the previous chunk has finished whenever the gate is called while
+  // SetRunsAlone's probe says other calls run, so a gate that hands the device to another call hands
+  // it over idle; while the call runs alone, only the chunk before the previous one has (the device
+  // has the next chunk queued while the host prepares it, and a cancelled call stops within two
+  // chunks). The call's work has finished when these return.
   virtual absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv,
                                  uint8_t* workspace, const ChunkGate& gate) = 0;
   // With config.attention.sparse, the tallies of the routing are added to *sparse_report (when set).
@@ -105,6 +107,10 @@ class Backend {
   // time so that a short request need not wait for a whole long layer); false on the CPU backend,
   // whose calls run side by side on their own threads.
   virtual bool TakesTurns() const { return false; }
+  // On a backend that TakesTurns(): the engine's probe of whether the calling request is the only
+  // one running (TurnArbiter::Participants() <= 1; a request joins once its caller's event has
+  // completed), asked at each chunk gate. Null (the default): never alone. REQUIRES: set before the first layer call, at most once; thread-safe to call.
+  virtual void SetRunsAlone(std::function<bool()> runs_alone) { (void)runs_alone; }
 
   // ── Memory ──
   virtual std::unique_ptr<Arena> CreateArena() = 0;

@@ -16,6 +16,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 #include "absl/time/clock.h"
 
 #include "kernels/cuda/device_caps.h"
@@ -102,6 +106,66 @@ class StreamPool {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<cudaStream_t> free_;
+};
+
+// The engine's chunk gate for one call on `stream` (backend.h). Beside other calls, each gate first
+// waits for the stream to drain, so a gate that hands the GPU to another call hands it over idle.
+// Alone (`runs_alone`), the stream runs one chunk ahead: the gate before chunk n waits only for the
+// chunks before n − 1 (an event recorded at the previous gate), so chunk n is queued while chunk
+// n − 1 runs and no host round trip (synchronise, wake, launch: tens of µs each) separates them; a
+// cancelled call then stops within two chunks. The last launch also comes one chunk sooner, and with
+// it the early answer of header.cuda_done_event. A call that joins between the probe and the gate's
+// hand-over finds at most one chunk of this call still queued on the GPU.
+class ChunkPacer {
+ public:
+  ChunkPacer(const ChunkGate& gate, cudaStream_t stream, const std::function<bool()>& runs_alone)
+      : gate_(gate), stream_(stream), runs_alone_(runs_alone) {}
+  ChunkPacer(const ChunkPacer&) = delete;
+  ChunkPacer& operator=(const ChunkPacer&) = delete;
+  ~ChunkPacer() {
+    for (cudaEvent_t e : marks_) {
+      if (e != nullptr) cudaEventDestroy(e);  // a pending record is released once it completes
+    }
+  }
+
+  // Null when the engine passed no gate (the kernels then run their chunks straight through).
+  ChunkGate Gate() {
+    if (!gate_) return nullptr;
+    return [this]() -> Error { return Pass(); };
+  }
+
+ private:
+  Error Pass() {
+    const int64_t n = calls_++;
+    if (runs_alone_ && runs_alone_()) {
+      // marks_[n % 2]: chunks before n. marks_[(n + 1) % 2], recorded at gate n − 1: chunks before
+      // n − 1 (or older, when that gate drained the stream instead — then they are done already).
+      cudaEvent_t& mark = marks_[n % 2];
+      if (mark == nullptr) {
+        if (cudaError_t e = cudaEventCreateWithFlags(&mark, cudaEventDisableTiming); e != cudaSuccess) {
+          mark = nullptr;
+          return Error(ErrorCode::kInternal, std::string("chunk: cudaEventCreate: ") + cudaGetErrorString(e));
+        }
+      }
+      if (cudaError_t e = cudaEventRecord(mark, stream_); e != cudaSuccess) {
+        return Error(ErrorCode::kInternal, std::string("chunk: cudaEventRecord: ") + cudaGetErrorString(e));
+      }
+      if (cudaEvent_t before = marks_[(n + 1) % 2]; before != nullptr) {
+        if (cudaError_t e = cudaEventSynchronize(before); e != cudaSuccess) {
+          return Error(ErrorCode::kInternal, std::string("chunk: ") + cudaGetErrorString(e));
+        }
+      }
+    } else if (cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
+      return Error(ErrorCode::kInternal, std::string("chunk: ") + cudaGetErrorString(e));
+    }
+    return gate_();
+  }
+
+  const ChunkGate& gate_;
+  const cudaStream_t stream_;
+  const std::function<bool()>& runs_alone_;
+  cudaEvent_t marks_[2] = {nullptr, nullptr};
+  int64_t calls_ = 0;
 };
 
 // Events of callers in other processes (LayerHeader.cuda_wait_event), opened once per handle: a
@@ -225,10 +289,16 @@ class CudaBackend final : public Backend {
 
   // Polled (spinning first, then sleeping) rather than cudaEventSynchronize: a caller whose
   // stream never reaches the event must not hold an executor thread past the call's deadline.
-  // The first ~100 µs spin, as the caller's remaining work is usually that short.
+  // The first ~100 µs spin, as the caller's remaining work is usually that short. The sleeps run
+  // with a 1 µs timer slack: at Linux's default 50 µs a 20 µs sleep lasts ~70 µs, and the GPU
+  // idles for the time between the caller's event and the poll that sees it.
   absl::Status WaitIpcEvent(const std::string& handle, absl::Time deadline) override {
     absl::StatusOr<IpcEvents::Event> event = ipc_events_.Open(handle);
     if (!event.ok()) return event.status();
+#ifdef __linux__
+    thread_local const bool precise_sleeps = prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL) == 0;
+    (void)precise_sleeps;  // best effort: the wait is right either way, only later by the slack
+#endif
     const absl::Time spin_until = absl::Now() + absl::Microseconds(100);
     for (;;) {
       const cudaError_t e = cudaEventQuery(event->get());
@@ -255,8 +325,8 @@ class CudaBackend final : public Backend {
   absl::Status ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t* kv, uint8_t* workspace,
                          const ChunkGate& gate) override {
     StreamPool::Borrowed stream = streams_.Borrow();
-    return Finish(cuda::ProjectKv(config, tensors, kv, workspace, Context(stream.get()), AfterIdle(gate, stream.get())),
-                  stream.get());
+    ChunkPacer pacer(gate, stream.get(), runs_alone_);
+    return Finish(cuda::ProjectKv(config, tensors, kv, workspace, Context(stream.get()), pacer.Gate()), stream.get());
   }
 
   absl::Status AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const uint8_t* kv,
@@ -264,9 +334,9 @@ class CudaBackend final : public Backend {
     const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
     const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
     StreamPool::Borrowed stream = streams_.Borrow();
+    ChunkPacer pacer(gate, stream.get(), runs_alone_);
     return Finish(
-        cuda::AttendLayer(config, tensors, view, workspace, Context(stream.get()), AfterIdle(gate, stream.get()),
-                          sparse_report),
+        cuda::AttendLayer(config, tensors, view, workspace, Context(stream.get()), pacer.Gate(), sparse_report),
         stream.get());
   }
 
@@ -281,8 +351,9 @@ class CudaBackend final : public Backend {
     const KvLayout layout = PlanKvLayout(config.shape, config.ranges);
     const KvEntryView view = MakeKvView(layout, config.shape, kv, config.transforms);
     StreamPool::Borrowed stream = streams_.Borrow();
-    Error error = cuda::AttendLayer(config, tensors, view, workspace, Context(stream.get()),
-                                    AfterIdle(gate, stream.get()), sparse_report);
+    ChunkPacer pacer(gate, stream.get(), runs_alone_);
+    Error error =
+        cuda::AttendLayer(config, tensors, view, workspace, Context(stream.get()), pacer.Gate(), sparse_report);
     if (error.ok()) {
       if (cudaError_t e = cudaEventRecord(event->get(), stream.get()); e != cudaSuccess) {
         error = Error(ErrorCode::kInternal, std::string("header.cuda_done_event: cudaEventRecord: ") +
@@ -299,6 +370,7 @@ class CudaBackend final : public Backend {
   }
 
   bool TakesTurns() const override { return true; }
+  void SetRunsAlone(std::function<bool()> runs_alone) override { runs_alone_ = std::move(runs_alone); }
 
   // The VMM arena; plain cudaMalloc per allocation where the driver has no VMM support.
   std::unique_ptr<Arena> CreateArena() override {
@@ -367,20 +439,6 @@ class CudaBackend final : public Backend {
     return context;
   }
 
-  // The caller's gate, called once the previous chunk's work on `stream` has finished: a gate that
-  // passes the GPU turn to another request then hands over an idle GPU, so the other request's chunk
-  // runs alone (the turn is the unit of priority). The cost is the host's launch latency of the next
-  // chunk (tens of µs) against chunks of milliseconds to a few hundred milliseconds.
-  static ChunkGate AfterIdle(const ChunkGate& gate, cudaStream_t stream) {
-    if (!gate) return nullptr;
-    return [&gate, stream]() -> Error {
-      if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {
-        return Error(ErrorCode::kInternal, std::string("chunk: ") + cudaGetErrorString(e));
-      }
-      return gate();
-    };
-  }
-
   // Waits for the launches of a call so that an error inside a kernel belongs to this request.
   absl::Status Finish(const Error& error, cudaStream_t stream) {
     if (!error.ok()) {
@@ -415,6 +473,7 @@ class CudaBackend final : public Backend {
   std::mutex ipc_mu_;
   std::map<std::string, IpcOpen> ipc_open_;  // by the 64 handle bytes
   IpcEvents ipc_events_;
+  std::function<bool()> runs_alone_;  // the engine's probe (SetRunsAlone); null: never alone
   cublasLtHandle_t blas_;
   std::atomic<bool> healthy_{true};
 };

@@ -28,6 +28,7 @@ class FaultyBackend final : public Backend {
     return b_->AttendLayer(c, t, kv, ws, gate, sparse_report);
   }
   bool TakesTurns() const override { return b_->TakesTurns(); }
+  void SetRunsAlone(std::function<bool()> runs_alone) override { b_->SetRunsAlone(std::move(runs_alone)); }
   std::unique_ptr<Arena> CreateArena() override { return b_->CreateArena(); }
   absl::Status CopyToPool(void* dst, const void* src, uint64_t bytes) override {
     if (absl::Status s = Injected("CopyToPool"); !s.ok()) return s;

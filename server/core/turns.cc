@@ -70,6 +70,11 @@ int TurnArbiter::Waiting() const {
   return n;
 }
 
+int TurnArbiter::Participants() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(participants_.size());
+}
+
 bool TurnArbiter::Held() const {
   std::lock_guard<std::mutex> lock(mu_);
   return holder_ != 0;

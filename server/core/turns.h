@@ -55,6 +55,10 @@ class TurnArbiter {
   void Cancel(uint64_t id);
 
   int Waiting() const;  // participants blocked in Acquire
+  // Participants joined and not yet left (cancelled ones included: their last chunk may still run).
+  // A backend whose chunks could queue ahead of the GPU (the CUDA backend's streams) may do so while
+  // its call is the only participant: no other call can want the turn before it ends.
+  int Participants() const;
   bool Held() const;
 
  private:

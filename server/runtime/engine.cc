@@ -63,7 +63,11 @@ Engine::Engine(EngineOptions options, std::unique_ptr<Backend> backend, const Cl
       registry_(clock, options_.lease, options_.registry),
       inline_budget_(options_.max_inline_bytes_in_flight) {
   scheduler_ = std::make_unique<Scheduler>(options_.scheduler, pool_.get(), clock_);
-  if (backend_->TakesTurns()) turns_ = std::make_unique<TurnArbiter>(options_.turns, clock_);
+  if (backend_->TakesTurns()) {
+    turns_ = std::make_unique<TurnArbiter>(options_.turns, clock_);
+    // A call alone on the device may queue its next chunk before the previous one ends (backend.h).
+    backend_->SetRunsAlone([turns = turns_.get()] { return turns->Participants() <= 1; });
+  }
   metrics_ = std::make_unique<Metrics>(options_.version, backend_->name(), backend_->Kernel(), options_.budget_bytes,
                                        [this] { return Gauges(); });
   pool_->SetReleaseListener([this] { scheduler_->Pump(); });
@@ -312,10 +316,6 @@ void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reserva
     std::lock_guard<std::mutex> lock(mu_);
     posted_.erase(job->task);
   }
-  if (turns_) {
-    job->turn = turns_->Join(job->tenant, job->priority);
-    if (job->cancelled) turns_->Cancel(job->turn);  // Cancel() may have run before the id was set
-  }
   absl::Status status;
   try {
     status = RunLocked(*job, reservation);
@@ -323,7 +323,7 @@ void Engine::Run(const std::shared_ptr<LayerJob>& job, Pool::Reservation reserva
     status = absl::ResourceExhaustedError("the daemon ran out of host memory while running the layer");
   }
   if (turns_) {
-    turns_->Leave(job->turn);
+    turns_->Leave(job->turn);  // ignored when it never joined (it ended before, or had no turns)
     metrics_->ObserveTurnWait(job->turn_wait_seconds);
   }
   reservation.Release();
@@ -406,7 +406,8 @@ ChunkGate Engine::GateOf(LayerJob& job) {
 }
 
 // The caller's work that writes the job's CUDA IPC inputs (header.cuda_wait_event), waited for
-// before anything reads them; the wait counts as queue time.
+// before the first launch that reads them (after the host-side preparation); the wait counts as
+// queue time.
 absl::Status Engine::WaitForCaller(LayerJob& job) {
   if (job.wait_event.empty()) return absl::OkStatus();
   const absl::Time t0 = clock_->Now();
@@ -423,7 +424,6 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
     return job.cancelled ? absl::CancelledError("cancelled before it ran")
                          : absl::DeadlineExceededError("deadline passed before it ran");
   }
-  if (absl::Status s = WaitForCaller(job); !s.ok()) return s;
   const ChunkGate gate = GateOf(job);
   const LayerConfig& config = job.plan.config;
 
@@ -467,6 +467,15 @@ absl::Status Engine::RunLocked(LayerJob& job, Pool::Reservation& reservation) {
   }
   job.peak_bytes = kv_lease.bytes() + ws_lease.bytes() + io_lease.bytes();
   job.allocate_seconds = absl::ToDoubleSeconds(clock_->Now() - allocate_start);
+  // Only now the caller's event: staging host tensors and taking (mapping) the memory need none of
+  // the caller's GPU work, so they overlap it instead of leaving the GPU idle after it.
+  if (absl::Status s = WaitForCaller(job); !s.ok()) return s;
+  // It joins the GPU turns only now: before its caller's work has finished it cannot use the GPU,
+  // so until then it keeps no other call from running ahead of its chunks (backend.h).
+  if (turns_) {
+    job.turn = turns_->Join(job.tenant, job.priority);
+    if (job.cancelled) turns_->Cancel(job.turn);  // Cancel() may have run before the id was set
+  }
 
   if (job.mode != LayerMode::kAttend) {
     const absl::Time t0 = clock_->Now();

@@ -415,6 +415,9 @@ class ProjectedAttention:
         self.use_events = True          # stream order by CUDA IPC events where the daemon can
         self.use_done_events = True     # the daemon answers before its kernels finish, where it can
         self.last_stream_ordered = False    # the last call's answer came before the kernels ended
+        # Whether the daemon's kernels were still running when that answer arrived (its done event
+        # still pending): then this stream's next kernels were queued before the GPU needed them.
+        self.last_answer_ahead = False
         self._events = threading.local()    # per thread: {device index: interprocess event}
         self._op_id = torch_ops.register(self)
         self._ranges = {}               # (B, N, ranges) -> the packed ranges of the call
@@ -521,6 +524,7 @@ class ProjectedAttention:
                     raise
         self.last_result, self.last_transport = res.result, "cuda_ipc"
         self.last_stream_ordered = done is not None
+        self.last_answer_ahead = done is not None and not done[0].query()
         if done is not None:
             # kvpackd answered once its last kernel was queued behind `done`: what follows on this
             # stream (reading `out`, reusing q, k, v's memory) waits for it on the GPU, not here.

@@ -99,6 +99,55 @@ def cosine(a, b):
     return float(a @ b / (a.norm() * b.norm()))
 
 
+class Recording:
+    """attend(q, k, v, ...) that keeps each call's LayerResult."""
+
+    def __init__(self, attend):
+        self.attend, self.results = attend, []
+
+    def __call__(self, q, k, v, **kwargs):
+        out = self.attend(q, k, v, **kwargs)
+        self.results.append(self.attend.last_result)
+        return out
+
+
+def step_timeline(model, args, hook, attend, tokens, steps=3):
+    """Issue 17's measure on whole steps (the GPU timeline, kvpack/timeline.py for one block):
+    step time with the daemon answering early (stream order) and after its kernels, against the
+    step with self-attention left out (its output = v: the model's own kernels alone) plus the
+    daemon's own time (LayerResult.seconds project + attend of the step's calls, synchronised).
+    Returns the FIGURE line."""
+    import time
+
+    def timed():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            run(model, args, hook)
+        torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - start) / steps
+
+    try:
+        attend.use_done_events = True
+        ordered = timed()
+        recording = hook.attend = Recording(attend)
+        attend.use_done_events = False
+        synced = timed()
+        hook.attend = lambda q, k, v, **kwargs: v
+        alone = timed()
+    finally:
+        hook.attend, attend.use_done_events = attend, True
+    calls = len(recording.results) / steps
+    daemon = 1e3 * sum(r.seconds.project + r.seconds.attend for r in recording.results) / steps
+    return (f"FIGURE comfy wan gpu timeline tokens={tokens} calls_per_step={calls:g} "
+            f"step_ms stream_ordered={ordered:.3f} synchronised={synced:.3f} "
+            f"without_self_attention={alone:.3f} daemon_ms_per_step={daemon:.3f} "
+            f"idle_ms_per_call stream_ordered={(ordered - alone - daemon) / calls:.3f} "
+            f"synchronised={(synced - alone - daemon) / calls:.3f} "
+            f"call_over_daemon stream_ordered={(ordered - alone) / daemon:.4f} "
+            f"synchronised={(synced - alone) / daemon:.4f}")
+
+
 def test_wan_model_on_the_cpu_backend():
     model = wan_model("cpu", SMALL)
     args = inputs("cpu", frames=3, height=32, width=32)          # 768 tokens
@@ -191,6 +240,7 @@ def test_wan_model_on_the_gpu_by_cuda_ipc():
                   f"call_over_daemon_total={[round(r, 4) for r in ratio]}")
             assert steady == 0
             assert c_ >= MIN_COSINE
+            print(step_timeline(model, args, hook, attend, tokens))
             attend.regions.forget_all()
     finally:
         daemon.__exit__(None, None, None)

@@ -1,8 +1,9 @@
 """kvpack.torch on the GPU (marker `gpu`): CUDA IPC by segment — steady-state calls register
 nothing and spend little time outside the daemon; tensors freed and reallocated between calls
 (torch.cuda.empty_cache() included) never make the daemon read freed memory, every output checked
-against an fp32 CPU reference and against the inline path — and a ComfyUI-style block under
-torch.compile (Inductor, fullgraph) through the daemon. Prints the figures of issue 17 as
+against an fp32 CPU reference and against the inline path — a ComfyUI-style block under
+torch.compile (Inductor, fullgraph) through the daemon, and the GPU timeline of DiT blocks around
+the calls (kvpack/timeline.py: idle GPU per block, call/daemon). Prints the figures of issue 17 as
 "FIGURE ..." lines (run pytest with -s to see them). Skips without CUDA torch and a CUDA-backed
 kvpackd.
 
@@ -272,3 +273,25 @@ def test_the_callers_stream_waits_for_the_daemons_kernels(cuda_client):
           f"per_call_ms stream_ordered={1e3 * ordered:.3f} daemon_synchronised={1e3 * synced:.3f} "
           f"saved_ms={1e3 * (synced - ordered):.3f}")
     attend.regions.forget_all()
+
+
+def test_gpu_timeline_of_calls_between_the_callers_kernels(cuda_client):
+    """Issue 17's measure that matters: DiT blocks (x·W_qkv, attention through the daemon, x·W_o,
+    MLP) in a loop, wall time per block against the caller's kernels alone plus the daemon's own
+    time, with the daemon answering early (stream order) and after its kernels. Prints one FIGURE
+    timeline line per mode (kvpack/timeline.py says what each field means).
+    KVPACK_TIMELINE_TOKENS (default: KVPACK_SEGMENTS_TOKENS, 32760) sets the size."""
+    from kvpack import timeline
+
+    n = int(os.environ.get("KVPACK_TIMELINE_TOKENS", os.environ.get("KVPACK_SEGMENTS_TOKENS", "32760")))
+    blocks = int(os.environ.get("KVPACK_SEGMENTS_CALLS", "12"))
+    attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
+    m = timeline.measure(attend, tokens=n, heads=H, head_dim=D, blocks=blocks)
+    for line in timeline.figure_lines(m):
+        print(("\n" if "synchronised" in line else "") + line)
+    attend.regions.forget_all()
+    assert m["stream_ordered"]["answered_early"], "the CUDA backend answers before its kernels end"
+    assert not m["synchronised"]["answered_early"]
+    # Stream order must not cost GPU time against answering after the kernels (it saves the
+    # answer's round trip); 0.5 ms of slack for the spread between loops.
+    assert m["stream_ordered"]["per_call_ms"] <= m["synchronised"]["per_call_ms"] + 0.5, m

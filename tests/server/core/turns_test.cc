@@ -177,5 +177,22 @@ TEST_F(TurnsTest, LeavingWhileHoldingHandsTheTurnOn) {
   turns_.Leave(waiter);
 }
 
+TEST_F(TurnsTest, ParticipantsCountsJoinedCallsUntilTheyLeave) {
+  EXPECT_EQ(turns_.Participants(), 0);
+  const uint64_t a = turns_.Join("a", 0);
+  EXPECT_EQ(turns_.Participants(), 1);  // alone: its chunks may queue ahead
+  const uint64_t b = turns_.Join("b", 0);
+  ASSERT_TRUE(turns_.Acquire(a).ok());
+  EXPECT_EQ(turns_.Participants(), 2);  // b does not wait for the turn yet, but it may soon
+  turns_.Cancel(b);
+  EXPECT_EQ(turns_.Participants(), 2) << "a cancelled call counts until it leaves (its last chunk may run)";
+  turns_.Leave(b);
+  turns_.Leave(b);  // twice: ignored
+  EXPECT_EQ(turns_.Participants(), 1);
+  turns_.Release(a);
+  turns_.Leave(a);
+  EXPECT_EQ(turns_.Participants(), 0);
+}
+
 }  // namespace
 }  // namespace kvpack::server

@@ -36,6 +36,8 @@ class FakeDeviceBackend final : public Backend {
   absl::Status ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_t* ws,
                          const ChunkGate& gate) override {
     ++project_calls;
+    in_project = true;
+    if (hold_projects) release_projects.wait();
     bool in_chunk = false;
     absl::Status s = cpu_->ProjectKv(c, t, kv, ws, Counted(gate, &in_chunk));
     EndChunk(&in_chunk);
@@ -66,12 +68,26 @@ class FakeDeviceBackend final : public Backend {
   absl::Status WaitIpcEvent(const std::string& handle, absl::Time) override {
     waited_events.push_back(handle);
     waited_before_project = project_calls == 0;
+    if (pool != nullptr) kv_bytes_at_wait = pool->Snapshot().by_state[static_cast<int>(PoolState::kKvActive)];
+    in_wait = true;
+    if (hold_waits) release_waits.wait();
     return event_status;
   }
+  void SetRunsAlone(std::function<bool()> probe) override { runs_alone = std::move(probe); }
 
   std::vector<std::string> waited_events;  // handles, in the order waited for
   bool waited_before_project = false;
   absl::Status event_status;               // what WaitIpcEvent answers
+  const Pool* pool = nullptr;              // the engine's, when a test sets it
+  uint64_t kv_bytes_at_wait = 0;           // the pool's active K/V bytes when the wait began
+  std::atomic<bool> hold_waits{false};     // WaitIpcEvent blocks until release_waits is ready
+  std::shared_future<void> release_waits;
+  std::atomic<bool> in_wait{false};
+  std::atomic<bool> hold_projects{false};  // ProjectKv blocks until release_projects is ready
+  std::shared_future<void> release_projects;
+  std::atomic<bool> in_project{false};
+  std::function<bool()> runs_alone;        // the engine's probe (SetRunsAlone)
+  std::atomic<int> alone_gates{0}, shared_gates{0};  // chunk gates called alone / beside other calls
   std::atomic<int> project_calls{0};
   std::atomic<uint64_t> copied_in{0}, copied_out{0};
   const uint16_t* last_out = nullptr;
@@ -83,6 +99,7 @@ class FakeDeviceBackend final : public Backend {
   ChunkGate Counted(const ChunkGate& gate, bool* in_chunk) {
     return [this, &gate, in_chunk]() -> Error {
       EndChunk(in_chunk);
+      ++(runs_alone && runs_alone() ? alone_gates : shared_gates);
       Error e = gate();
       if (e.ok()) {
         std::lock_guard<std::mutex> lock(mu_);
@@ -345,6 +362,75 @@ TEST(Engine, AFailedWaitEndsTheJobBeforeItRunsAndFreesItsMemory) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   EXPECT_EQ(engine.pool().Snapshot().allocated, 0u);
+}
+
+// Host-side preparation (staging, taking the memory) comes before the wait for the caller's event,
+// so that it overlaps the caller's GPU work instead of following it.
+TEST(Engine, TakesItsMemoryBeforeWaitingForTheCallersEvent) {
+  SystemClock clock;
+  auto device = std::make_unique<FakeDeviceBackend>();
+  FakeDeviceBackend* fake = device.get();
+  Engine engine(Options(), std::move(device), &clock);
+  fake->pool = &engine.pool();
+  const client::SyntheticLayer L = client::MakeSyntheticLayer(testing::SmallSpec(59));
+  Ran ran = RunOnEngine(engine, L, std::string(64, '\x21'));
+  ASSERT_TRUE(ran.status.ok()) << ran.status;
+  EXPECT_TRUE(fake->waited_before_project);
+  EXPECT_EQ(fake->kv_bytes_at_wait, PoolBytes(ran.plan.kv_bytes)) << "the K/V block was not taken before the wait";
+  EXPECT_GT(fake->copied_in.load(), 0u) << "x was not staged";
+}
+
+// The backend's probe (SetRunsAlone) is true while one call runs and false while another runs
+// beside it; a call still waiting for its caller's event has not joined (it cannot use the GPU
+// before that work ends), so it does not keep the running one from running ahead.
+TEST(Engine, ChunkGatesKnowWhetherTheirCallRunsAlone) {
+  SystemClock clock;
+  EngineOptions options = Options();
+  options.executor_threads = 2;
+  options.max_chunk_tokens = 64;  // several chunks per call
+  auto device = std::make_unique<FakeDeviceBackend>();
+  FakeDeviceBackend* fake = device.get();
+  Engine engine(options, std::move(device), &clock);
+  ASSERT_TRUE(fake->runs_alone != nullptr) << "the engine set no probe on a backend that takes turns";
+  const client::SyntheticLayer a = client::MakeSyntheticLayer(testing::SmallSpec(61));
+  const client::SyntheticLayer b = client::MakeSyntheticLayer(testing::SmallSpec(62));
+
+  ASSERT_TRUE(RunOnEngine(engine, a).status.ok());
+  EXPECT_GT(fake->alone_gates.load(), 2);
+  EXPECT_EQ(fake->shared_gates.load(), 0);
+
+  // The first call waits for its caller's event while the second runs: the second runs alone.
+  std::promise<void> release_wait;
+  fake->release_waits = release_wait.get_future().share();
+  fake->hold_waits = true;
+  fake->alone_gates = 0;
+  std::future<Ran> waiting = std::async(std::launch::async, [&] { return RunOnEngine(engine, a, std::string(64, 'w')); });
+  while (!fake->in_wait) std::this_thread::yield();
+  ASSERT_TRUE(RunOnEngine(engine, b).status.ok());
+  EXPECT_GT(fake->alone_gates.load(), 2);
+  EXPECT_EQ(fake->shared_gates.load(), 0) << "a call waiting for its caller's event kept another from running ahead";
+  release_wait.set_value();
+  ASSERT_TRUE(waiting.get().status.ok());
+  fake->hold_waits = false;
+
+  // The first call has joined (it waits inside ProjectKv) while the second runs: not alone.
+  std::promise<void> release_project;
+  fake->release_projects = release_project.get_future().share();
+  fake->in_project = false;
+  fake->hold_projects = true;
+  fake->alone_gates = 0;
+  std::future<Ran> running = std::async(std::launch::async, [&] { return RunOnEngine(engine, a); });
+  while (!fake->in_project) std::this_thread::yield();
+  fake->hold_projects = false;  // the second call's ProjectKv goes straight through
+  const Ran beside = RunOnEngine(engine, b);
+  ASSERT_TRUE(beside.status.ok()) << beside.status;
+  EXPECT_GT(fake->shared_gates.load(), 2);
+  EXPECT_EQ(fake->alone_gates.load(), 0) << "a gate ran ahead while another call was running";
+  const int shared = fake->shared_gates;
+  release_project.set_value();
+  ASSERT_TRUE(running.get().status.ok());
+  EXPECT_GT(fake->alone_gates.load(), 2) << "the second call had left: the first runs alone";
+  EXPECT_EQ(fake->shared_gates.load(), shared);
 }
 
 }  // namespace
