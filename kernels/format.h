@@ -282,18 +282,22 @@ KVPACK_HD inline float Int4ErrorUnit(float step0) {
   const int e = static_cast<int>((FloatBits(step0) >> 23) & 0xffu) - 127;
   return BitsFloat(static_cast<uint32_t>(127 + kInt4ErrorFractionBits - 2 * e) << 23);
 }
-// One value's code under (lo, scale), inv = RN(1/scale): clamp(rne((x − lo)·inv), 0, 15); NaN → 0.
+// One value's code under (lo, scale), inv = RN(1/scale): rne((x − lo)·inv) clamped to [0, 15] (NaN → 0).
+// Clamped first, then rounded by adding and subtracting 1.5·2^23 (the same code, as both bounds are
+// integers; no libm rintf call on a baseline x86-64 host, no conversion instruction on the GPU).
+inline constexpr float kInt4RoundMagic = 12582912.0f;  // 1.5·2^23: t + it has t's nearest integer in its low bits
 KVPACK_HD inline uint32_t Int4Code(float x, float lo, float inv) {
-  float c = rintf(MulRn(x - lo, inv));
-  c = c > 0.0f ? c : 0.0f;
-  c = c < 15.0f ? c : 15.0f;
-  return static_cast<uint32_t>(c);
+  float t = MulRn(x - lo, inv);
+  t = t > 0.0f ? t : 0.0f;
+  t = t < 15.0f ? t : 15.0f;
+  return FloatBits(AddRn(t, kInt4RoundMagic)) - FloatBits(kInt4RoundMagic);
 }
-// One value's squared error x − (lo + code·scale) in the row's integer units (NaN counts as the clamp).
+// One value's squared error x − (lo + code·scale) in the row's integer units, rounded to nearest even
+// (the bits of e + 2^23; NaN counts as the clamp).
 KVPACK_HD inline uint32_t Int4ErrorUnits(float x, float lo, float scale, uint32_t code, float unit) {
   const float r = x - AddRn(lo, MulRn(static_cast<float>(code), scale));  // code·scale is exact
   const float e = MulRn(MulRn(r, r), unit);
-  return static_cast<uint32_t>(rintf(e < kInt4ErrorClamp ? e : kInt4ErrorClamp));
+  return FloatBits(AddRn(e < kInt4ErrorClamp ? e : kInt4ErrorClamp, 8388608.0f)) - 0x4b000000u;
 }
 
 // The conversions of the INT4 row parameters, format.h's scalar ones (the CPU codec, the GPU estimate).
