@@ -47,8 +47,11 @@
 //     │ c1 7:4 │ c0 3:0 │ │ c3 7:4 │ c2 3:0 │ │ c2j+1    │ c2j    │
 //     └────────┴────────┘ └────────┴────────┘ └──────────┴────────┘
 //   meta: Int4RowMeta { fp16 scale; fp16 lo; }  (4 bytes, little-endian, scale first)
-//   encode: lo = min x, scale = (max x − min x)/15, both rounded to fp16 FIRST (scale: nearest, or
-//           the next fp16 up where the nearest is a subnormal below it, RowScaleToHalf); then
+//   encode: [lo, hi] = [min x + i·δ, max x − j·δ], δ = ¼·(max x − min x)/15, of the 9 pairs i, j ∈
+//           {0, 1, 2} the one of least squared row error (first of equals; (0, 0) = min–max; rows
+//           with a subnormal-fp16 step keep min–max; ChooseInt4Row below); lo and scale = (hi − lo)/15
+//           rounded to fp16 FIRST (scale: nearest, or the next fp16 up where the nearest is a
+//           subnormal below it, RowScaleToHalf); then
 //           code = clamp(rne((x − lo) · (1/scale)), 0, 15)   (fp32, 1/scale correctly rounded)
 //   decode: x̂ = lo + code · scale
 //
@@ -228,23 +231,144 @@ KVPACK_HD inline uint16_t RowScaleToHalf(float v, float span) {
   return HalfToFloat(h) < v || (h == 0 && span > 0.0f) ? static_cast<uint16_t>(h + 1u) : h;
 }
 
+// ── INT4 row search ─────────────────────────────────────────────────────────────────────────────
+// A row's [lo, hi] need not be [min, max]: a range shrunk by a fraction of a step rounds the bulk of a
+// near-Gaussian row (what rotation makes of it) more finely at the cost of clipping one or two
+// extremes. The encoder tries lo = min + i·δ, hi = max − j·δ for i, j < kInt4Shifts with
+// δ = kInt4ShiftStep · (max − min)/15, in the order (i, j) = (0, 0), (0, 1), …, (2, 2), and keeps the
+// first candidate of least squared error of the decoded row. (0, 0) is min–max, so no row's error
+// grows; on rotated rows the squared error falls by 14–17% (docs/quality.md). The error is summed in
+// integers (Int4ErrorUnits), so any order of summation — a warp's butterfly on the GPU, a loop here —
+// gives the same choice and so the same codes. Rows whose step is not a normal fp16 (max − min below
+// 15·2^-14), whose range or ends exceed fp16, or with a NaN min or max keep min–max unsearched.
+inline constexpr int kInt4Shifts = 3;
+inline constexpr int kInt4Candidates = kInt4Shifts * kInt4Shifts;
+inline constexpr float kInt4ShiftStep = 0.25f;
+// The farthest an end moves, in steps of min–max: at most half a step, so a clipped value still decodes
+// within half a min–max step of itself (plus the fp16 rounding of lo), as every value did before.
+inline constexpr float kInt4MaxShift = (kInt4Shifts - 1) * kInt4ShiftStep;
+static_assert(kInt4MaxShift <= 0.5f, "the INT4 search keeps every value within half a min–max step");
+// A value's squared error in units of 2^-18·4^E, where 2^E ≤ (max − min)/15 < 2^(E+1), clamped at
+// 2^22 units (a residual of 2–4 steps; the candidates clip by at most about one) so that a row of 256
+// values sums below 2^30 in a uint32.
+inline constexpr int kInt4ErrorFractionBits = 18;
+inline constexpr float kInt4ErrorClamp = 4194304.0f;
+
+// Float arithmetic rounded once per operation on host and device alike (nvcc may otherwise contract
+// a·b + c into one FMA in device code built with --fmad=true).
+KVPACK_HD inline float MulRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+KVPACK_HD inline float AddRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// Whether a row with this min and max is searched (else it keeps min–max). Written so that NaN fails.
+KVPACK_HD inline bool Int4RowSearched(float mn, float mx) {
+  const float range = mx - mn;
+  return range >= 15.0f * 0x1p-14f && range <= kHalfMax && mn >= -kHalfMax && mx <= kHalfMax;
+}
+// 2^(kInt4ErrorFractionBits − 2E) for step0 = (max − min)/15 in [2^E, 2^(E+1)), E from its bits.
+// REQUIRES: Int4RowSearched (step0 is then a normal float in [2^-14, 2^13)).
+KVPACK_HD inline float Int4ErrorUnit(float step0) {
+  const int e = static_cast<int>((FloatBits(step0) >> 23) & 0xffu) - 127;
+  return BitsFloat(static_cast<uint32_t>(127 + kInt4ErrorFractionBits - 2 * e) << 23);
+}
+// One value's code under (lo, scale), inv = RN(1/scale): rne((x − lo)·inv) clamped to [0, 15] (NaN → 0).
+// Clamped first, then rounded by adding and subtracting 1.5·2^23 (the same code, as both bounds are
+// integers; no libm rintf call on a baseline x86-64 host, no conversion instruction on the GPU).
+inline constexpr float kInt4RoundMagic = 12582912.0f;  // 1.5·2^23: t + it has t's nearest integer in its low bits
+KVPACK_HD inline uint32_t Int4Code(float x, float lo, float inv) {
+  float t = MulRn(x - lo, inv);
+  t = t > 0.0f ? t : 0.0f;
+  t = t < 15.0f ? t : 15.0f;
+  return FloatBits(AddRn(t, kInt4RoundMagic)) - FloatBits(kInt4RoundMagic);
+}
+// One value's squared error x − (lo + code·scale) in the row's integer units, rounded to nearest even
+// (the bits of e + 2^23; NaN counts as the clamp).
+KVPACK_HD inline uint32_t Int4ErrorUnits(float x, float lo, float scale, uint32_t code, float unit) {
+  const float r = x - AddRn(lo, MulRn(static_cast<float>(code), scale));  // code·scale is exact
+  const float e = MulRn(MulRn(r, r), unit);
+  return FloatBits(AddRn(e < kInt4ErrorClamp ? e : kInt4ErrorClamp, 8388608.0f)) - 0x4b000000u;
+}
+
+// The conversions of the INT4 row parameters, format.h's scalar ones (the CPU codec, the GPU estimate).
+// The CUDA row epilogue has a twin with the hardware conversions (cuda/page_codec.cuh), equal wherever
+// the search reaches (normal quotients, half scales).
+struct Int4ScalarArith {
+  KVPACK_HD static float Step(float span) { return span / 15.0f; }
+  KVPACK_HD static uint16_t ScaleBits(float span) { return RowScaleToHalf(ClampToHalfRange(span / 15.0f), span); }
+  KVPACK_HD static uint16_t LoBits(float lo) { return FloatToHalf(ClampToHalfRange(lo)); }
+  KVPACK_HD static float Half(uint16_t h) { return HalfToFloat(h); }
+  KVPACK_HD static float Reciprocal(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
+};
+
+// Candidate `cand` (i = cand / kInt4Shifts, j = cand % kInt4Shifts) of a searched row, step0 = the row's
+// Arith::Step(max − min).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Arith>
+KVPACK_HD inline Int4RowMeta Int4CandidateMeta(float mn, float mx, float step0, int cand) {
+  const float delta = MulRn(step0, kInt4ShiftStep);
+  const float lo = AddRn(mn, MulRn(static_cast<float>(cand / kInt4Shifts), delta));
+  const float hi = AddRn(mx, -MulRn(static_cast<float>(cand % kInt4Shifts), delta));
+  Int4RowMeta m;
+  m.scale = Arith::ScaleBits(AddRn(hi, -lo));
+  m.lo = Arith::LoBits(lo);
+  return m;
+}
+
+// The row's metadata by the search above, from its min and max and row_error(lo, scale, inv, unit):
+// Σ Int4ErrorUnits(x, lo, scale, Int4Code(x, lo, inv), unit) over the row's values (a loop on the
+// host, a warp's sum on the GPU; every caller gets the same total). Candidates in order, the first of
+// least error kept; the CUDA row epilogue (cuda/page_codec.cuh) runs the same loop with the
+// candidates' parameters computed one per lane.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class Arith, class RowError>
+KVPACK_HD inline Int4RowMeta ChooseInt4Row(float mn, float mx, RowError&& row_error) {
+  Int4RowMeta kept;
+  kept.scale = Arith::ScaleBits(mx - mn);
+  kept.lo = Arith::LoBits(mn);
+  if (!Int4RowSearched(mn, mx)) return kept;
+  const float step0 = Arith::Step(mx - mn);
+  const float unit = Int4ErrorUnit(step0);
+  uint32_t best = 0xffffffffu;
+  for (int cand = 0; cand < kInt4Candidates; ++cand) {
+    const Int4RowMeta m = Int4CandidateMeta<Arith>(mn, mx, step0, cand);
+    const float scale = Arith::Half(m.scale);
+    const uint32_t err = row_error(Arith::Half(m.lo), scale, Arith::Reciprocal(scale), unit);
+    if (err < best) best = err, kept = m;
+  }
+  return kept;
+}
+
 KVPACK_HD inline void EncodeRowInt4(const float* x, int head_dim, uint8_t* codes, Int4RowMeta* meta) {
   float mn = x[0], mx = x[0];
   for (int i = 1; i < head_dim; ++i) {
     mn = x[i] < mn ? x[i] : mn;
     mx = x[i] > mx ? x[i] : mx;
   }
-  meta->scale = RowScaleToHalf(ClampToHalfRange((mx - mn) / 15.0f), mx - mn);
-  meta->lo = FloatToHalf(ClampToHalfRange(mn));
+  *meta = ChooseInt4Row<Int4ScalarArith>(mn, mx, [&](float lo, float scale, float inv, float unit) {
+    uint32_t err = 0;
+    for (int i = 0; i < head_dim; ++i) err += Int4ErrorUnits(x[i], lo, scale, Int4Code(x[i], lo, inv), unit);
+    return err;
+  });
   const float scale = HalfToFloat(meta->scale);
   const float lo = HalfToFloat(meta->lo);
-  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  const float inv = Int4ScalarArith::Reciprocal(scale);
   for (int j = 0; j < head_dim / 2; ++j) {
-    float c0 = rintf((x[2 * j] - lo) * inv);
-    float c1 = rintf((x[2 * j + 1] - lo) * inv);
-    c0 = c0 < 0.0f ? 0.0f : (c0 > 15.0f ? 15.0f : c0);
-    c1 = c1 < 0.0f ? 0.0f : (c1 > 15.0f ? 15.0f : c1);
-    codes[j] = static_cast<uint8_t>(static_cast<uint32_t>(c0) | (static_cast<uint32_t>(c1) << 4));
+    codes[j] = static_cast<uint8_t>(Int4Code(x[2 * j], lo, inv) | (Int4Code(x[2 * j + 1], lo, inv) << 4));
   }
 }
 

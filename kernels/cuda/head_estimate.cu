@@ -77,6 +77,10 @@ __device__ float WarpMin(float v) {
   }
   return v;
 }
+__device__ uint32_t WarpSumU32(uint32_t v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
 __device__ float WarpMax(float v) {
   for (int off = 16; off > 0; off >>= 1) {
     const float o = __shfl_xor_sync(0xffffffffu, v, off);
@@ -106,17 +110,21 @@ __device__ void WarpStoredRow(const float* row, int d, const float* mu, const fl
       }
       mn = WarpMin(mn);
       mx = WarpMax(mx);
-      const uint16_t scale_bits = RowScaleToHalf(ClampToHalfRange((mx - mn) / 15.0f), mx - mn);
-      const uint16_t lo_bits = FloatToHalf(ClampToHalfRange(mn));
-      const float scale = HalfToFloat(scale_bits);
-      const float lo = HalfToFloat(lo_bits);
-      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+      // format.h's search, each candidate's error an integer warp sum (the same total as the host's loop).
+      const Int4RowMeta m = ChooseInt4Row<Int4ScalarArith>(mn, mx, [&](float lo, float scale, float inv, float unit) {
+        uint32_t err = 0;
+#pragma unroll
+        for (int t = 0; t < kLanePer; ++t) {
+          if (t < r.per) err += Int4ErrorUnits(r.x[t], lo, scale, Int4Code(r.x[t], lo, inv), unit);
+        }
+        return WarpSumU32(err);
+      });
+      const float scale = HalfToFloat(m.scale);
+      const float lo = HalfToFloat(m.lo);
+      const float inv = Int4ScalarArith::Reciprocal(scale);
 #pragma unroll
       for (int t = 0; t < kLanePer; ++t) {
-        if (t >= r.per) continue;
-        float c = rintf((r.x[t] - lo) * inv);
-        c = c < 0.0f ? 0.0f : (c > 15.0f ? 15.0f : c);
-        out[r.Channel(t)] = lo + static_cast<float>(static_cast<uint32_t>(c)) * scale;
+        if (t < r.per) out[r.Channel(t)] = lo + static_cast<float>(Int4Code(r.x[t], lo, inv)) * scale;
       }
       break;
     }

@@ -51,6 +51,71 @@ inline constexpr uint32_t kExponent23 = 0x4b000000u;
 template <PageFormat F>
 struct DevicePageCodec;
 
+// format.h's Int4ScalarArith with the hardware conversions: the same values for every row the search
+// reaches (ChooseInt4Row: a normal step, so DivideByReciprocal is the IEEE quotient; half scales, so
+// ReciprocalOfHalf is RN(1/scale)), and for the min–max rows as before.
+struct Int4DeviceArith {
+  __device__ __forceinline__ static float Step(float span) { return DivideByReciprocal(span, 15.0f, kInv15); }
+  __device__ __forceinline__ static uint16_t ScaleBits(float span) {
+    return RowScaleBits(ClampToHalfRange(DivideByReciprocal(span, 15.0f, kInv15)), span);
+  }
+  __device__ __forceinline__ static uint16_t LoBits(float lo) { return FloatToHalfBits(ClampToHalfRange(lo)); }
+  __device__ __forceinline__ static float Half(uint16_t h) { return HalfBits(h); }
+  __device__ __forceinline__ static float Reciprocal(float scale) { return scale > 0.0f ? ReciprocalOfHalf(scale) : 0.0f; }
+};
+// format.h's Int4Code in integers: rint then clamp to [0, 15] (NaN → 0, as there).
+__device__ __forceinline__ uint32_t Int4DeviceCode(float x, float lo, float inv) {
+  return static_cast<uint32_t>(min(max(__float2int_rn(__fmul_rn(x - lo, inv)), 0), 15));
+}
+
+// One value's term of a candidate's error: 2^23 + Int4ErrorUnits(x, lo, scale, Int4Code(x, lo, inv),
+// unit) as float bits, without a conversion instruction (quarter rate on sm_90): the code is the
+// clamped (x − lo)·inv rounded by adding and subtracting 1.5·2^23 (rint, for |t| ≤ 15, and clamping
+// before rounding gives the same code, as both bounds are integers; NaN → 0 as in format.h), and the
+// error in [0, 2^22] rounds to an integer in the low bits of e + 2^23. Summing n such terms in uint32
+// gives n·0x4b000000 + Σ units (mod 2^32), the same for every lane order.
+__device__ __forceinline__ uint32_t Int4ErrorTerm(float x, float lo, float scale, float inv, float unit) {
+  constexpr float kRoundMagic = 12582912.0f;  // 1.5·2^23
+  const float t = fminf(fmaxf(__fmul_rn(x - lo, inv), 0.0f), 15.0f);
+  const float code = __fsub_rn(__fadd_rn(t, kRoundMagic), kRoundMagic);
+  const float r = x - __fmaf_rn(code, scale, lo);  // code·scale is exact: one rounding, as lo + code·scale
+  const float e = fminf(__fmul_rn(__fmul_rn(r, r), unit), kInt4ErrorClamp);
+  return __float_as_uint(__fadd_rn(e, 8388608.0f));
+}
+
+// format.h's ChooseInt4Row for a warp's row: the same candidates in the same order, the first of least
+// error kept. Lane c < kInt4Candidates computes candidate c's parameters (Int4CandidateMeta) and the
+// loop reads them by shuffles, so each lane converts one candidate instead of nine.
+template <int kPerLane>
+__device__ __forceinline__ Int4RowMeta SearchInt4Row(const float (&x)[kPerLane], int lane, float mn, float mx) {
+  Int4RowMeta kept;
+  kept.scale = Int4DeviceArith::ScaleBits(mx - mn);
+  kept.lo = Int4DeviceArith::LoBits(mn);
+  if (!Int4RowSearched(mn, mx)) return kept;  // mn, mx are the warp's: every lane takes the same branch
+  const float step0 = Int4DeviceArith::Step(mx - mn);
+  const float unit = Int4ErrorUnit(step0);
+  const Int4RowMeta own = Int4CandidateMeta<Int4DeviceArith>(mn, mx, step0, lane % kInt4Candidates);
+  const float own_scale = HalfBits(own.scale), own_lo = HalfBits(own.lo);
+  const float own_inv = Int4DeviceArith::Reciprocal(own_scale);
+  constexpr uint32_t kTermBias = 32u * kPerLane * 0x4b000000u;  // the warp's n·2^23 bits (mod 2^32)
+  uint32_t best = 0xffffffffu;
+  int best_cand = 0;
+#pragma unroll
+  for (int cand = 0; cand < kInt4Candidates; ++cand) {
+    const float lo = __shfl_sync(kFullMask, own_lo, cand), scale = __shfl_sync(kFullMask, own_scale, cand);
+    const float inv = __shfl_sync(kFullMask, own_inv, cand);
+    uint32_t terms = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) terms += Int4ErrorTerm(x[i], lo, scale, inv, unit);
+    const uint32_t err = WarpSumU32(terms) - kTermBias;
+    if (err < best) best = err, best_cand = cand;
+  }
+  const uint32_t bits = __shfl_sync(kFullMask, own.scale | (static_cast<uint32_t>(own.lo) << 16), best_cand);
+  kept.scale = static_cast<uint16_t>(bits & 0xffffu);
+  kept.lo = static_cast<uint16_t>(bits >> 16);
+  return kept;
+}
+
 // ── INT4 ────────────────────────────────────────────────────────────────────────────────────────
 template <>
 struct DevicePageCodec<PageFormat::kInt4> {
@@ -65,22 +130,18 @@ struct DevicePageCodec<PageFormat::kInt4> {
 #pragma unroll
     for (int i = 1; i < kPerLane; ++i) mn = fminf(mn, x[i]), mx = fmaxf(mx, x[i]);
     mn = WarpMin(mn), mx = WarpMax(mx);
-    const uint16_t scale_bits = RowScaleBits(ClampToHalfRange(DivideByReciprocal(mx - mn, 15.0f, kInv15)), mx - mn);
-    const uint16_t lo_bits = FloatToHalfBits(ClampToHalfRange(mn));
-    const float scale = HalfBits(scale_bits), lo = HalfBits(lo_bits);
-    const float inv = scale > 0.0f ? ReciprocalOfHalf(scale) : 0.0f;
+    const Int4RowMeta m = SearchInt4Row(x, lane, mn, mx);
+    const float scale = HalfBits(m.scale), lo = HalfBits(m.lo);
+    const float inv = Int4DeviceArith::Reciprocal(scale);
     uint32_t packed = 0;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {  // rint then clamp to [0, 15], as integers
-      const int c = min(max(__float2int_rn(__fmul_rn(x[i] - lo, inv)), 0), 15);
-      packed |= static_cast<uint32_t>(c) << (4 * i);
-    }
+    for (int i = 0; i < kPerLane; ++i) packed |= Int4DeviceCode(x[i], lo, inv) << (4 * i);
     if constexpr (kPerLane == 4) {
       *reinterpret_cast<uint16_t*>(codes + 2 * lane) = static_cast<uint16_t>(packed);
     } else {
       codes[lane] = static_cast<uint8_t>(packed);
     }
-    if (lane == 0) *reinterpret_cast<uint32_t*>(meta) = scale_bits | (static_cast<uint32_t>(lo_bits) << 16);
+    if (lane == 0) *reinterpret_cast<uint32_t*>(meta) = m.scale | (static_cast<uint32_t>(m.lo) << 16);
   }
 
 };

@@ -19,6 +19,15 @@ __device__ __forceinline__ float WarpSum(float v) {
   for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(kFullMask, v, m);
   return v;
 }
+// An integer sum, the same in any order (format.h's INT4 search compares such sums with the host's).
+__device__ __forceinline__ uint32_t WarpSumU32(uint32_t v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_add_sync(kFullMask, v);
+#else
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(kFullMask, v, m);
+  return v;
+#endif
+}
 __device__ __forceinline__ float WarpMax(float v) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, m));

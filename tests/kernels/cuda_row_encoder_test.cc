@@ -30,7 +30,8 @@ TEST(CudaRowEncoder, HalfReciprocalsAreFrcpRn) {
 // The warp row encoders write the host encoder's bytes, codes and fp16 metadata, for rows of every
 // magnitude: max|x| from 1e-9 (scale below fp16's smallest subnormal) through fp16's subnormal scales
 // (INT8 max|x| < 127·2^-14 ≈ 7.8e-3, INT4 range < 15·2^-14), where the scale rounds up so no code clips,
-// to 1e3; plus the page_fuzz findings' rows (x = −1.1e-5 among small values; fp32 subnormals).
+// to 1e3; plus the page_fuzz findings' rows (x = −1.1e-5 among small values; fp32 subnormals) and rows at
+// the edges of INT4's range search.
 TEST(CudaRowEncoder, RowEncodersWriteTheHostsBytesAtEveryMagnitude) {
   SKIP_WITHOUT_GPU();
   constexpr int kRows = 64 * kPageTokens;
@@ -46,6 +47,18 @@ TEST(CudaRowEncoder, RowEncodersWriteTheHostsBytesAtEveryMagnitude) {
     }
     for (int e = 0; e < d; ++e) rows[e] = (e == 5 ? -1.1e-5f : 1e-7f * normal(rng));  // the fuzz finding's row
     for (int e = 0; e < d; ++e) rows[d + e] = std::ldexp(1.0f, -149) * (e % 7);  // fp32 subnormals: span / 127 = 0
+    // INT4's range search (format.h ChooseInt4Row) at its edges: a row on an exact grid (min–max has no
+    // error; every other candidate ties or loses, so the first is kept), a range exactly at the search's
+    // lower limit 15·2^-14 and one just under it, ends near fp16's largest value (searched) and past it
+    // (not searched).
+    const float grid_step = 0.37f, at_limit = 15.0f * std::ldexp(1.0f, -14);
+    for (int e = 0; e < d; ++e) {
+      rows[2 * d + e] = -1.5f + grid_step * static_cast<float>(e % 16);
+      rows[3 * d + e] = e == 0 ? at_limit : (e == 1 ? 0.0f : at_limit * 0.5f * (1.0f + 0.5f * normal(rng) / 4.0f));
+      rows[4 * d + e] = e == 0 ? std::nextafter(at_limit, 0.0f) : (e == 1 ? 0.0f : at_limit * 0.25f);
+      rows[5 * d + e] = e == 0 ? 32000.0f : (e == 1 ? -32000.0f : 9000.0f * normal(rng));
+      rows[6 * d + e] = e == 0 ? 70000.0f : 900.0f * normal(rng);
+    }
     for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8}) {
       const size_t bytes = static_cast<size_t>(kRows / kPageTokens) * PageBytes(f, d);
       std::vector<uint8_t> gpu(bytes), host(bytes, 0);

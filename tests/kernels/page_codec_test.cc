@@ -15,6 +15,9 @@ namespace {
 
 // INT4 / INT8: half a step plus the fp16 rounding of the metadata; BF16: half a bf16 ulp (2^-9 relative).
 constexpr float kHalfStepSlack = 0.5f + 1e-3f;
+// INT4: plus the fp16 rounding of lo and scale (2^-11 of |lo| ≤ max|x| and of the span ≤ 2·max|x|),
+// which a value clipped by the search's shrunk range (format.h kInt4MaxShift ≤ ½ step) carries whole.
+constexpr float kLoRelative = 3 * 0x1p-11f;
 constexpr float kBf16Relative = 1.0f / 256.0f;
 
 std::vector<float> Row(std::mt19937_64& rng, int d) {
@@ -67,7 +70,7 @@ TEST(PageCodec, RowsRoundTripWithinTheirStepAndLeaveOtherSlotsAlone) {
         const std::vector<float>& x = rows[r];
         float lo = x[0], hi = x[0], amax = 0;
         for (float v : x) lo = std::min(lo, v), hi = std::max(hi, v), amax = std::max(amax, std::fabs(v));
-        const float bound = format == PageFormat::kInt4   ? kHalfStepSlack * (hi - lo) / 15.0f
+        const float bound = format == PageFormat::kInt4   ? kHalfStepSlack * (hi - lo) / 15.0f + kLoRelative * amax
                             : format == PageFormat::kInt8 ? kHalfStepSlack * amax / 127.0f
                                                           : 0.0f;
         for (int i = 0; i < d; ++i) {
