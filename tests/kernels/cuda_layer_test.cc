@@ -499,6 +499,21 @@ TEST(CudaLayer, Int8MmaMixedIntegerFormatsSequencesCausalRopeNormD64) {
   RunCase(c);
 }
 
+// The INT8 path at d = 128 takes visible pages in pairs (Sm90Tile::kPairs): causal masks inside a pair,
+// two sequences, partial pages and odd page counts per query tile (the absent second page).
+TEST(CudaLayer, Int8MmaCausalSequencesD128OddPages) {
+  SKIP_WITHOUT_GPU();
+  Case c{"int8-mma causal sequences N=2501 d=128",
+         2501,
+         256,
+         2,
+         128,
+         {{0, 1111, 0, PageFormat::kInt4}, {1111, 1800, 1, PageFormat::kInt8}, {1800, 2501, 1, PageFormat::kInt4}}};
+  c.causal = true, c.mma = MmaPath::kInt8;
+  c.query_chunk = 900;
+  c.seed = 23;
+  RunCaseEachKernel(c);
+}
 // Without the rotation, Q's outlier channels set each row's int8 step: the path's own error grows
 // (H200, session 6: mma_rel_l2 0.0129, rel L2 vs FP64 0.083 against 0.006 rotated), which is why
 // kAuto takes the INT8 path only on rotated entries (ResolveMmaPath). The GPU still matches the CPU's
