@@ -395,143 +395,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         }
       };
 
-      if constexpr (T::kPairs) {
-        // Pairs: step j takes visible pages 2j and 2j + 1 (stages 2j mod 6 and the next, adjacent in
-        // shared memory) as 128 keys: S[64 × 128] in one wgmma per 32 channels, one softmax over both,
-        // P·V over both V stages. An odd last pair's second page is absent: its S reads a stale K
-        // stage (integers) and is masked whole, its P·V reads the first page's V with P = 0. The deep
-        // ring's order, per pair: S(j+1) and P(j)·V issued together, the softmax of pair j + 1 under
-        // them, the groups taking turns to issue.
-        const int n_pairs = (n_visible + 1) / 2;
-        uint32_t sp[16][4];  // S rows (g, g+8) × keys (n·8 + 2t, +1), n < 8 the first page's
-        uint32_t ap[8][4];   // P as the A fragments of the eight 16-key steps of P·V
-        auto issue_s2 = [&](int j, bool wait) {
-          const int i = 2 * j;
-          const uint64_t k_desc = Desc(SmemAddr(smem + T::kKOffset + (i % T::kStages) * T::kKTileBytes), 16, 1024);
-          if (wait) {
-            wait_full(i);
-            if (i + 1 < n_visible) wait_full(i + 1);
-          }
-          FenceRegs(sp);
-          WgmmaFence();
-#pragma unroll
-          for (int kc = 0; kc < kDim / 32; ++kc) WgmmaSS128Int8(sp, q_desc + kc * 2, k_desc + kc * 2, kc > 0);
-          WgmmaCommit();
-        };
-        auto softmax2 = [&](int j, float (&corr)[2]) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int i = 2 * j + h;
-            const bool present = i < n_visible;
-            const int s = (present ? i : i - 1) % T::kStages;
-            const PageDesc page = tile_desc[s];
-#pragma unroll
-            for (int n = 0; n < 8; ++n) {
-              const float4 keys = key_table[s][n * 4 + t];
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const float a_j = e & 1 ? keys.z : keys.x, b_j = e & 1 ? keys.w : keys.y;
-                SetFloat(sp[8 * h + n][e], fmaf(AccumulatorValue(sp[8 * h + n][e]), a_j, q_sum[e >> 1] * b_j));
-              }
-            }
-            const bool need_mask = !present || page.n_valid < kPageTokens || runs.n > 1 ||
-                                   (p.visibility.causal && page.token_begin + page.n_valid - 1 > t0);
-            if (need_mask) {
-#pragma unroll
-              for (int n = 0; n < 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                  const int row = row_base + g + (e >> 1) * 8;
-                  const int key = n * 8 + 2 * t + (e & 1);
-                  const bool ok = present && key < page.n_valid && runs.q_seq[row] == page.seq_id &&
-                                  (!p.visibility.causal || page.token_begin + key <= t0 + row);
-                  if (!ok) SetFloat(sp[8 * h + n][e], -INFINITY);
-                }
-              }
-            }
-          }
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int n = 0; n < 16; ++n) mx = fmaxf(mx, fmaxf(AsFloat(sp[n][2 * r]), AsFloat(sp[n][2 * r + 1])));
-            mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-            const float m_new = fmaxf(row_max[r], mx * row_scale[r]);
-            const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-            corr[r] = Exp2Ftz(row_max[r] - m_use);
-            row_max[r] = m_new;
-            row_sum[r] *= corr[r];
-#pragma unroll
-            for (int n = 0; n < 16; ++n) {
-#pragma unroll
-              for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                const float arg = fmaf(AsFloat(sp[n][e]), row_scale[r], -m_use);
-                const float w = kSm90Experiment == Sm90Experiment::kNoExp ? arg : Exp2Ftz(arg);
-                SetFloat(sp[n][e], w);
-                row_sum[r] += w;
-              }
-            }
-          }
-        };
-        auto pack_p2 = [&] {
-#pragma unroll
-          for (int kk = 0; kk < 8; ++kk) {
-            ap[kk][0] = PackBf16(AsFloat(sp[2 * kk][0]), AsFloat(sp[2 * kk][1]));
-            ap[kk][1] = PackBf16(AsFloat(sp[2 * kk][2]), AsFloat(sp[2 * kk][3]));
-            ap[kk][2] = PackBf16(AsFloat(sp[2 * kk + 1][0]), AsFloat(sp[2 * kk + 1][1]));
-            ap[kk][3] = PackBf16(AsFloat(sp[2 * kk + 1][2]), AsFloat(sp[2 * kk + 1][3]));
-          }
-        };
-        auto issue_pv2 = [&](int j) {
-          const int i = 2 * j, second = i + 1 < n_visible ? i + 1 : i;
-          const uint64_t v0 = Desc(SmemAddr(smem + T::kVOffset + (i % T::kStages) * T::kTileBytes), kPageTokens * 128, 1024);
-          const uint64_t v1 = Desc(SmemAddr(smem + T::kVOffset + (second % T::kStages) * T::kTileBytes), kPageTokens * 128, 1024);
-          FenceRegs(o);
-          WgmmaFence();
-#pragma unroll
-          for (int kk = 0; kk < 8; ++kk) WgmmaRS(o, ap[kk], (kk < 4 ? v0 : v1) + (kk & 3) * (2048 >> 4));
-          WgmmaCommit();
-        };
-        auto release2 = [&](int j) {
-          release(2 * j);
-          if (2 * j + 1 < n_visible) release(2 * j + 1);
-        };
-        auto fence_p2 = [&] {
-#pragma unroll
-          for (int kk = 0; kk < 8; ++kk) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(ap[kk][e])::"memory");
-          }
-        };
-        const int turn = T::kTurnBar + consumer, other_turn = T::kTurnBar + (consumer ^ 1);
-        float corr[2];
-        issue_s2(0, true);
-        WgmmaWait<0>();
-        FenceRegs(sp);
-        softmax2(0, corr);
-        rescale_o(corr);
-        pack_p2();
-        if (T::kPingPong && consumer == 1) BarArrive(T::kTurnBar, 2 * 128);  // group 0 issues first
-        for (int j = 0; j < n_pairs; ++j) {
-          const bool more = j + 1 < n_pairs;
-          if (T::kPingPong) BarSync(turn, 2 * 128);
-          issue_s2(more ? j + 1 : j, more);
-          issue_pv2(j);
-          if (T::kPingPong && (consumer == 0 || more)) BarArrive(other_turn, 2 * 128);
-          WgmmaWait<1>();
-          FenceRegs(sp);
-          if (more) softmax2(j + 1, corr);
-          WgmmaWait<0>();
-          FenceRegs(o);
-          fence_p2();
-          release2(j);
-          if (more) {
-            rescale_o(corr);
-            pack_p2();
-          }
-        }
-      } else if constexpr (kRouted) {
+      if constexpr (kRouted) {
         // Routed: each group walks the window's list in order but computes only its own pages (an exact
         // page the other block routes is released unread: in the union of two blocks' pages it would be
         // masked whole, ~45% of the MMAs on inputs without locality). A group's page is done — its S,
@@ -655,8 +519,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
 
 // The kernel instance that serves (head_dim, max_page_bytes, MMA path, routed): f(dim, stages, int8,
 // routed), each as std::integral_constant, so that every entry point below makes the same choice. The
-// INT8 path's entries hold no BF16 page, so it takes its pairs' six stages at d = 128 and four at d = 64;
-// routed launches run bf16.
+// INT8 path's entries hold no BF16 page, so it always takes four stages; routed launches run bf16.
 template <int kValue>
 using Int = std::integral_constant<int, kValue>;
 template <bool kValue>
@@ -672,7 +535,7 @@ auto WithInstance(int head_dim, int max_page_bytes, MmaPath mma, bool routed, F&
     return f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<true>{});
   }
   if (mma == MmaPath::kInt8) {
-    return head_dim == 128 ? f(Int<128>{}, Int<kSm90PairStages>{}, Bool<true>{}, Bool<false>{})
+    return head_dim == 128 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<true>{}, Bool<false>{})
                            : f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<true>{}, Bool<false>{});
   }
   if (head_dim == 128) {

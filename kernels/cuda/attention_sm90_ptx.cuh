@@ -83,22 +83,6 @@ __device__ __forceinline__ void WgmmaSS64Int8(uint32_t (&s)[8][4], uint64_t desc
       : "memory");
 }
 
-// s[64 × 128] (+)= A[64 × 32] · B[32 × 128] in int8 → int32: the pairs' S (Sm90Tile::kPairs), keys
-// 0 … 127 from two adjacent K stages (the B descriptor's 8-row groups step by its stride over both).
-__device__ __forceinline__ void WgmmaSS128Int8(uint32_t (&s)[16][4], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p;\n}\n"
-      : KVPACK_R8(s, 0), KVPACK_R8(s, 2), KVPACK_R8(s, 4), KVPACK_R8(s, 6),
-        KVPACK_R8(s, 8), KVPACK_R8(s, 10), KVPACK_R8(s, 12), KVPACK_R8(s, 14)
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
-      : "memory");
-}
-
 // o[64 × kN·8] += A[64 × 16] · B[16 × kN·8]; A in registers (the m16n8k16 A fragment of each warp's
 // 16 rows), B MN-major in shared memory (transposed: imm-trans-b = 1).
 __device__ __forceinline__ void WgmmaRS(float (&o)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {

@@ -46,10 +46,9 @@ struct Sm90Tile {
   static constexpr int kProducerThreads = 128 * kProducerGroups;
   static constexpr int kThreads = kProducerThreads + 128 * kConsumerGroups;
   // Registers per thread after setmaxnreg: the decode needs few, the consumers' S tiles, O and P
-  // many: 256·56 + 256·200 = 65536, the register file (the launch's 512·128). The pairs hold twice the
-  // S and P registers: 256·40 + 256·216 (at 208 the consumers spill; the INT8 path's decode fits 40).
-  static constexpr int kProducerRegisters = kInt8QkT && kStagesT == 6 ? 40 : 56;
-  static constexpr int kConsumerRegisters = kInt8QkT && kStagesT == 6 ? 216 : 200;
+  // many: 256·56 + 256·200 = 65536, the register file (the launch's 512·128).
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 200;
   static_assert(kProducerThreads * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <= 65536,
                 "register file");
   static constexpr int kStages = kStagesT;  // decoded K/V tiles in flight: 4 where shared memory allows, else 2
@@ -77,32 +76,20 @@ struct Sm90Tile {
   // consumer groups take turns to issue (ping-pong); two stages serialise them.
   static constexpr bool kDeepRing = kStages >= 3;
   static constexpr bool kPingPong = kDeepRing && kSm90Experiment != Sm90Experiment::kNoPingPong;
-  // Pairs (the INT8 path at d = 128, six stages): the consumers take two visible pages per step, one
-  // S wgmma of N = 128 keys over two adjacent K stages and one softmax over both, so that the per-step
-  // costs (stage waits, the row maxima's shuffles, the turn barriers, the O rescale) come once per 128
-  // keys. They hold two pairs (four stages) as the deep ring holds two pages, so six stages leave the
-  // producers a pair's time to decode the next.
-  static constexpr bool kPairs = kInt8Qk && kStages == 6;
-  static_assert(!kPairs || kDim == 128, "pairs at d = 128 only (at d = 64 six INT8 stages exceed the bf16 path's bytes)");
 };
-
-inline constexpr int kSm90MaxDynamicSmem = 216 * 1024;
-inline constexpr int kSm90DeepStages = 4;
-inline constexpr int kSm90PairStages = 6;  // the INT8 path at d = 128 (Sm90Tile::kPairs)
 
 template <int kDim, int kStages, bool kInt8Qk = false>
 constexpr int Sm90DynamicSmem(int max_page_bytes);
 // The raw stages of an instance: three on the bf16 path; on the INT8 path as many (up to six) as fit
-// within the bf16 path's four-stage bytes for the same page (attention_smem.h), so that the host's
-// figures (which are the bf16 path's) bound every instance. The kernel computes the same figure from
-// max_page_bytes.
+// within the bf16 path's bytes for the same page (attention_smem.h). The kernel computes the same
+// figure from max_page_bytes.
 template <int kDim, int kStages, bool kInt8Qk = false>
 __host__ __device__ constexpr int Sm90RawStages(int max_page_bytes) {
   using T = Sm90Tile<kDim, kStages, kInt8Qk>;
   if constexpr (!kInt8Qk) {
     return T::kMinRawStages;
   } else {
-    return WgmmaRawStagesWithin(T::kAlign + T::kRawOffset, Sm90DynamicSmem<kDim, kSm90DeepStages, false>(max_page_bytes),
+    return WgmmaRawStagesWithin(T::kAlign + T::kRawOffset, Sm90DynamicSmem<kDim, kStages, false>(max_page_bytes),
                                 max_page_bytes);
   }
 }
@@ -116,21 +103,19 @@ constexpr int Sm90DynamicSmem(int max_page_bytes) {
 // SM: every format at d = 64, INT4 and INT8 at d = 128; BF16 pages at d = 128 take two. (The
 // consumers hold two pages — S(i+1) runs while page i is in P·V — and hand a page back mid-way
 // through the next, so with three stages the producer had half a page's time to decode each.)
+inline constexpr int kSm90MaxDynamicSmem = 216 * 1024;
+inline constexpr int kSm90DeepStages = 4;
 template <int kDim>
 constexpr int Sm90Stages(int max_page_bytes) {
   return Sm90DynamicSmem<kDim, kSm90DeepStages>(max_page_bytes) <= kSm90MaxDynamicSmem ? kSm90DeepStages : 2;
 }
-// The INT8 MMA path never meets a BF16 page (ResolveMmaPath), so it always takes its pairs' six stages at
-// d = 128 and four at d = 64, within the bf16 path's bytes.
-static_assert(Sm90DynamicSmem<128, kSm90PairStages, true>(PageBytes(PageFormat::kInt8, 128)) <=
-                      Sm90DynamicSmem<128, kSm90DeepStages>(PageBytes(PageFormat::kInt8, 128)) &&
-                  Sm90DynamicSmem<128, kSm90PairStages, true>(PageBytes(PageFormat::kInt4, 128)) <=
-                      Sm90DynamicSmem<128, kSm90DeepStages>(PageBytes(PageFormat::kInt4, 128)),
-              "the INT8 MMA path's six stages at d = 128 fit within the bf16 path's bytes");
+// The INT8 MMA path never meets a BF16 page (ResolveMmaPath), so it always takes four stages.
+static_assert(Sm90DynamicSmem<128, kSm90DeepStages, true>(PageBytes(PageFormat::kInt8, 128)) <= kSm90MaxDynamicSmem,
+              "the INT8 MMA path takes four stages with INT4 and INT8 pages");
 static_assert(Sm90DynamicSmem<64, kSm90DeepStages>(PageBytes(PageFormat::kBf16, 64)) <= kSm90MaxDynamicSmem,
               "d = 64 takes four stages with any page (so it has no two-stage instance)");
-static_assert(Sm90RawStages<128, kSm90PairStages, true>(PageBytes(PageFormat::kInt4, 128)) == 3 &&
-                  Sm90RawStages<128, kSm90PairStages, true>(PageBytes(PageFormat::kInt8, 128)) == 3,
+static_assert(Sm90RawStages<128, kSm90DeepStages, true>(PageBytes(PageFormat::kInt4, 128)) == 6 &&
+                  Sm90RawStages<128, kSm90DeepStages, true>(PageBytes(PageFormat::kInt8, 128)) == 5,
               "the INT8 path's raw stages at d = 128 (attention_smem.h)");
 
 }  // namespace kvpack::cuda

@@ -499,8 +499,8 @@ TEST(CudaLayer, Int8MmaMixedIntegerFormatsSequencesCausalRopeNormD64) {
   RunCase(c);
 }
 
-// The INT8 path at d = 128 takes visible pages in pairs (Sm90Tile::kPairs): causal masks inside a pair,
-// two sequences, partial pages and odd page counts per query tile (the absent second page).
+// The INT8 path at d = 128 with causal masks, two sequences, partial pages and odd page counts per
+// query tile (written for the pairs experiment of session 14, kept after its revert: bench/RESULTS.md).
 TEST(CudaLayer, Int8MmaCausalSequencesD128OddPages) {
   SKIP_WITHOUT_GPU();
   Case c{"int8-mma causal sequences N=2501 d=128",
