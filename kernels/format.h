@@ -1,25 +1,28 @@
-// kvpack packed K/V format, version 2 (docs/format.md).
+// kvpack packed K/V format, version 3 (docs/format.md).
 //
 // One definition for host and device code: the CPU reference, the CUDA kernels and the planner all
 // include this header. Nothing here allocates, throws or knows about the server.
 //
 // ── What is stored ────────────────────────────────────────────────────────────────────────────────
 // For every (token, head) row of d values (d = head_dim):
-//   K row:  R · ((k − μ_k) / λ)      quantized per row
-//   V row:  R · ((v − μ_v) / λ_v)    quantized per row
-//   Q row:  R · (q ⊙ λ)              bf16, never stored in pages
-// R = H_d · diag(s) / √d (rotation.h); μ_k, μ_v, λ, λ_v per (head, channel), stored with the entry
+//   K row:  R_k · ((k − μ_k) / λ)      quantized per row
+//   V row:  R_v · ((v − μ_v) / λ_v)    quantized per row
+//   Q row:  R_k · (q ⊙ λ)              bf16, never stored in pages
+// R = H_d · diag(s) / √d (rotation.h), or I for a head whose flags say plain (R_k for q and k, R_v for
+// V: version 3); μ_k, μ_v, λ, λ_v per (head, channel), stored with the entry
 // as four float[H·d] tables (layer_spec.h KvLayout); rotation, smoothing (μ) and balancing (λ, λ_v)
 // each optional. q·k is preserved up to q·μ_k, which is the same for every key of a query row
-// (softmax-invariant); the output is o = λ_v ⊙ Rᵀ·(Σ p·v̂) + μ_v, exact because Σ p = 1 and the
+// (softmax-invariant); the output is o = λ_v ⊙ R_vᵀ·(Σ p·v̂) + μ_v, exact because Σ p = 1 and the
 // attention sum is linear per channel. λ_v takes V's outlier channels out of every row's step.
 //
 // ── Per-head transforms (version 2) ───────────────────────────────────────────────────────────────
 // The transforms are chosen per head (kernels/transform_choice.h): a head may store K without μ_k
 // or λ, and V with μ_v, ½·μ_v or no μ_v and with or without λ_v. The choice lives only in the
-// head's rows of the four tables (μ row 0 = no smoothing, λ row 1 = no balancing), so the stored
-// forms above and every kernel are unchanged. The entry records it after the tables:
-//   head_flags      uint32[H]     HeadTransformFlag bits   bit 0 μ_k │ 1 μ_v │ 2 ½·μ_v │ 3 λ │ 4 λ_v │ 8 chosen
+// head's rows of the four tables (μ row 0 = no smoothing, λ row 1 = no balancing). Version 3: a head
+// of a rotated entry may also store q·k or V without R (bits 5, 6), which the row epilogues and the
+// attention epilogue read (HeadRotatesK / V). The entry records the choice after the tables:
+//   head_flags      uint32[H]     HeadTransformFlag bits   bit 0 μ_k │ 1 μ_v │ 2 ½·μ_v │ 3 λ │ 4 λ_v │
+//                                                          5 plain q·k │ 6 plain V │ 8 chosen
 //   head_estimates  float[H · 4]  estimated squared output error of the head's sample with every key
 //                                 in INT4 │ INT8 │ BF16, then the sample's squared output norm
 // (layer_spec.h KvLayout; version 1 entries end after λ_v).
@@ -90,7 +93,8 @@
 
 namespace kvpack {
 
-inline constexpr int kFormatVersion = 2;  // 2: per-head transform record (head_flags, head_estimates)
+// 2: per-head transform record (head_flags, head_estimates); 3: plain (unrotated) q·k or V per head.
+inline constexpr int kFormatVersion = 3;
 inline constexpr int kPageTokens = 64;
 inline constexpr int kMinHeadDimCpu = 16;
 inline constexpr int kMaxHeadDimCpu = 256;

@@ -77,6 +77,11 @@ struct TransformOptions {
   // Each head keeps the subset of the transforms above that a small attention on its sample
   // estimates best (transform_choice.h); off: every head uses the set above.
   bool choose_per_head = true;
+  // With choose_per_head and rotate: whether the choice may also store a head's q and k (plain K) or
+  // its V (plain V) without R. Layers leave them on; ChoiceTransforms turns plain K off on the INT8
+  // MMA path, which quantizes q per row and needs R to spread q's outlier channels.
+  bool choose_plain_k = true;
+  bool choose_plain_v = true;
 };
 
 // Block-sparse attention over the packed pages (cpu/sparse_attention.h): per (query block of 64,
@@ -150,6 +155,9 @@ struct KvStats {
   std::vector<float> mu_v;
   std::vector<float> lambda;    // K balancing: K stored as (k − μ_k)/λ, q multiplied by λ
   std::vector<float> lambda_v;  // V balancing: V stored as (v − μ_v)/λ_v, the output multiplied by λ_v
+  // Empty, or n_heads per-head flags of the choice that made the tables: their kHeadPlainK / V bits
+  // (transform_choice.h, format v3) go with the tables, which no longer express a head's rotation.
+  std::vector<uint32_t> head_flags;
 };
 
 // Inputs and output of one layer. Pointers are host or device memory as the backend requires.
@@ -274,6 +282,10 @@ KvEntryView MakeKvView(const KvLayout& layout, const LayerShape& shape, const ui
 // config.attention.mma, its ranges' formats, head_dim and rotation); kBf16 with sparse attention,
 // whose kernels and reference have the bf16 path only.
 MmaPath ConfigMmaPath(const LayerConfig& config);
+
+// The transforms the per-head choice runs with: config.transforms, with choose_plain_k off where the
+// layer takes the INT8 MMA path (ConfigMmaPath).
+TransformOptions ChoiceTransforms(const LayerConfig& config);
 
 // Pages of the token layout: each range split into ceil(len/64) pages, the last one partial.
 std::vector<PageDesc> BuildPageLayout(const std::vector<TokenRange>& ranges);

@@ -131,33 +131,38 @@ class HeadEstimator {
   }
 
   // Any rows (EstimateHeadError), nothing cached.
-  ErrorSums BothOfRows(const CandidateRows& rows, const PageFormat* format) const {
-    const std::vector<double> p = Probabilities(StoredQueries(rows).data(), s_.n_queries,
+  ErrorSums BothOfRows(const CandidateRows& rows, uint32_t flags, const PageFormat* format) const {
+    const bool rotate_k = HeadRotatesK(t_.rotate, &flags, 0), rotate_v = HeadRotatesV(t_.rotate, &flags, 0);
+    const std::vector<double> p = Probabilities(StoredQueries(rows, rotate_k).data(), s_.n_queries,
                                                 StoredRows(s_.k, s_.n_keys, d_, rows.mu_k.data(), rows.lambda.data(),
-                                                           t_.rotate, t_.seed, s_.formats, format)
+                                                           rotate_k, t_.seed, s_.formats, format)
                                                     .data(),
                                                 s_.n_keys, d_, scale_);
-    const std::vector<float> v = StoredRows(s_.v, s_.n_keys, d_, rows.mu_v.data(), rows.lambda_v.data(), t_.rotate,
+    const std::vector<float> v = StoredRows(s_.v, s_.n_keys, d_, rows.mu_v.data(), rows.lambda_v.data(), rotate_v,
                                             t_.seed, s_.formats, format);
-    return OutputError(p, s_.n_queries, v.data(), s_.n_keys, d_, rows.mu_v.data(), rows.lambda_v.data(), t_.rotate,
+    return OutputError(p, s_.n_queries, v.data(), s_.n_keys, d_, rows.mu_v.data(), rows.lambda_v.data(), rotate_v,
                        t_.seed, ref_);
   }
 
  private:
-  static constexpr int kKSides = 4, kVSides = 6, kFormatKeys = kNumPageFormats + 1;
+  static constexpr int kKSides = 8, kVSides = 12, kFormatKeys = kNumPageFormats + 1;
 
   int FormatKey(const PageFormat* format) const {
     if (format == nullptr || static_cast<int>(*format) == uniform_) return 0;
     return 1 + static_cast<int>(*format);
   }
-  static int KSide(const ChoiceCandidate& c) { return (c.smooth_k ? 1 : 0) | (c.balance_k ? 2 : 0); }
-  static int VSide(const ChoiceCandidate& c) { return c.v_smooth_halves * 2 + (c.balance_v ? 1 : 0); }
+  static int KSide(const ChoiceCandidate& c) {
+    return (c.smooth_k ? 1 : 0) | (c.balance_k ? 2 : 0) | (c.plain_k ? 4 : 0);
+  }
+  static int VSide(const ChoiceCandidate& c) {
+    return c.v_smooth_halves * 2 + (c.balance_v ? 1 : 0) + (c.plain_v ? 6 : 0);
+  }
 
-  // q as the layer stores it: ⊙ λ, R, bf16.
-  std::vector<float> StoredQueries(const CandidateRows& rows) const {
+  // q as the layer stores it: ⊙ λ, R (unless plain), bf16.
+  std::vector<float> StoredQueries(const CandidateRows& rows, bool rotate) const {
     std::vector<float> q(static_cast<size_t>(s_.n_queries) * d_);
     for (int64_t i = 0; i < s_.n_queries; ++i) {
-      StoredQueryOf(s_.q + i * d_, d_, rows.lambda.data(), t_.rotate, t_.seed, q.data() + i * d_);
+      StoredQueryOf(s_.q + i * d_, d_, rows.lambda.data(), rotate, t_.seed, q.data() + i * d_);
     }
     return q;
   }
@@ -167,9 +172,10 @@ class HeadEstimator {
     std::vector<double>& p = k_probs_[KSide(c)][FormatKey(format)];
     if (p.empty()) {
       const CandidateRows rows = RowsOf(c, full_, d_);
-      const std::vector<float> k = StoredRows(s_.k, s_.n_keys, d_, rows.mu_k.data(), rows.lambda.data(), t_.rotate,
+      const bool rotate = c.RotatesK(t_.rotate);
+      const std::vector<float> k = StoredRows(s_.k, s_.n_keys, d_, rows.mu_k.data(), rows.lambda.data(), rotate,
                                               t_.seed, s_.formats, FormatKey(format) == 0 ? nullptr : format);
-      p = Probabilities(StoredQueries(rows).data(), s_.n_queries, k.data(), s_.n_keys, d_, scale_);
+      p = Probabilities(StoredQueries(rows, rotate).data(), s_.n_queries, k.data(), s_.n_keys, d_, scale_);
     }
     return p;
   }
@@ -178,11 +184,11 @@ class HeadEstimator {
     const CandidateRows rows = RowsOf(c, full_, d_);
     std::vector<float>& v = stored_v_[VSide(c)][FormatKey(format)];
     if (v.empty()) {
-      v = StoredRows(s_.v, s_.n_keys, d_, rows.mu_v.data(), rows.lambda_v.data(), t_.rotate, t_.seed, s_.formats,
-                     FormatKey(format) == 0 ? nullptr : format);
+      v = StoredRows(s_.v, s_.n_keys, d_, rows.mu_v.data(), rows.lambda_v.data(), c.RotatesV(t_.rotate), t_.seed,
+                     s_.formats, FormatKey(format) == 0 ? nullptr : format);
     }
-    return OutputError(p, s_.n_queries, v.data(), s_.n_keys, d_, rows.mu_v.data(), rows.lambda_v.data(), t_.rotate,
-                       t_.seed, ref_);
+    return OutputError(p, s_.n_queries, v.data(), s_.n_keys, d_, rows.mu_v.data(), rows.lambda_v.data(),
+                       c.RotatesV(t_.rotate), t_.seed, ref_);
   }
 
   const HeadSample& s_;
@@ -224,6 +230,11 @@ double EstimatedRelError(const float* head_estimates, int n_heads, PageFormat fo
 
 uint32_t FixedHeadFlags(const TransformOptions& t) { return FixedFlagsOf(t); }
 
+uint32_t CallerStatsHeadFlags(const TransformOptions& t, const KvStats& stats, int h) {
+  const uint32_t plain = t.rotate && !stats.head_flags.empty() ? stats.head_flags[h] & (kHeadPlainK | kHeadPlainV) : 0u;
+  return FixedFlagsOf(t) | plain;
+}
+
 HeadChoice ChooseHeadTransforms(const HeadSample& sample, const TransformOptions& transforms, float softmax_scale,
                                 const HeadTables& tables) {
   HeadChoice choice;
@@ -244,7 +255,7 @@ HeadChoice ChooseHeadTransforms(const HeadSample& sample, const TransformOptions
 }
 
 ErrorSums EstimateHeadError(const HeadSample& sample, const TransformOptions& transforms, float softmax_scale,
-                            const HeadTables& tables, PageFormat format) {
+                            const HeadTables& tables, uint32_t flags, PageFormat format) {
   if (!HasQueries(sample)) return {};
   const int d = sample.head_dim;
   HeadEstimator est(sample, transforms, softmax_scale, tables);
@@ -253,7 +264,7 @@ ErrorSums EstimateHeadError(const HeadSample& sample, const TransformOptions& tr
   rows.lambda.assign(tables.lambda, tables.lambda + d);
   rows.mu_v.assign(tables.mu_v, tables.mu_v + d);
   rows.lambda_v.assign(tables.lambda_v, tables.lambda_v + d);
-  return est.BothOfRows(rows, &format);
+  return est.BothOfRows(rows, flags, &format);
 }
 
 }  // namespace kvpack

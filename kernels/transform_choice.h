@@ -8,11 +8,13 @@
 //
 //   K: none | smoothing (μ_k) | smoothing + balancing (μ_k, λ)
 //   V: μ_v scaled by α ∈ {0, ½, 1} (none, partial, full smoothing) × balancing (λ_v) off | on
+//   and, in a rotated entry, each side rotated (R) or plain: q and k together, V on its own
 //
-// restricted to what TransformOptions allows (smooth off: no μ; balance off: no λ, λ_v). Rotation
-// stays one switch for the whole entry. The choice is expressed through the head's rows of the
-// existing tables — μ_k row zero = no K smoothing, μ_v row α·mean, λ / λ_v rows ones = no
-// balancing — so the attention kernels need no change; the entry's per-head flags table records it.
+// restricted to what TransformOptions allows (smooth off: no μ; balance off: no λ, λ_v; rotate off or
+// choose_plain_k / _v off: rotation as the entry has it). μ and λ are expressed through the head's rows
+// of the existing tables — μ_k row zero = no K smoothing, μ_v row α·mean, λ / λ_v rows ones = no
+// balancing; a plain side through the head's flags (kHeadPlainK, kHeadPlainV), which the row
+// epilogues (q, k, v) and the attention epilogue (Rᵀ of the output) read: HeadRotatesK / HeadRotatesV.
 //
 // The estimate: the head's sample (keys and values of the statistics pre-pass, a few queries)
 // attended exactly in double (unquantized, no transforms) and through the candidate's stored form
@@ -21,7 +23,8 @@
 // queries; candidates are ranked by the sum of per-query squared relative errors (ErrorSums). K
 // candidates are compared with exact V and V candidates with exact probabilities, then the best
 // pair and the options' full set are evaluated together and kept only if they rank below naive
-// (no μ, no λ), which is evaluated too: never worse than naive on the estimate. The pair replaces
+// (no μ, no λ, no R where the rotation may be chosen), which is evaluated too: never worse than naive
+// on the estimate. The pair replaces
 // the full set only when its estimate is 1.25× lower (noise margin, transform_choice.cc). Every sum runs in a fixed order in double,
 // so the same sample gives the same choice bit for bit on any backend and thread count.
 //
@@ -43,6 +46,8 @@ enum HeadTransformFlag : uint32_t {
   kHeadSmoothVHalf = 1u << 2,   // μ_v row is half the sample mean
   kHeadBalanceK = 1u << 3,      // λ row from K's spreads (else ones)
   kHeadBalanceV = 1u << 4,      // λ_v row from V's spreads (else ones)
+  kHeadPlainK = 1u << 5,        // q and k stored without R although the entry rotates (format v3)
+  kHeadPlainV = 1u << 6,        // V stored without R (and the output not un-rotated) although the entry rotates
   kHeadChosen = 1u << 8,        // chosen by the estimate (else fixed by TransformOptions or the caller's stats)
 };
 
@@ -89,10 +94,19 @@ struct ErrorSums {
   double Rel() const;
 };
 
+// Whether head h's q and k (V) are rotated: the entry's switch, unless the head's flags say plain.
+// flags may be null (every head as the entry).
+KVPACK_HD inline bool HeadRotatesK(bool entry_rotates, const uint32_t* flags, int h) {
+  return entry_rotates && !(flags != nullptr && (flags[h] & kHeadPlainK));
+}
+KVPACK_HD inline bool HeadRotatesV(bool entry_rotates, const uint32_t* flags, int h) {
+  return entry_rotates && !(flags != nullptr && (flags[h] & kHeadPlainV));
+}
+
 struct HeadChoice {
   uint32_t flags = 0;
   ErrorSums chosen;  // the estimate of the kept set
-  ErrorSums naive;   // no μ, no λ (rotation as the entry has it)
+  ErrorSums naive;   // no μ, no λ; no R where the choice may drop it, else rotation as the entry has it
   // The kept set with every sampled key stored in format f (index PageFormat): what the layer's
   // error would be in one format, for the reported figures and the error-budget planner.
   ErrorSums by_format[kNumPageFormats];
@@ -104,9 +118,10 @@ struct HeadChoice {
 HeadChoice ChooseHeadTransforms(const HeadSample& sample, const TransformOptions& transforms, float softmax_scale,
                                 const HeadTables& tables);
 
-// The estimate of the head's current tables with every sampled key stored in `format`.
+// The estimate of the head's current tables and flags (kHeadPlainK / V) with every sampled key stored
+// in `format`.
 ErrorSums EstimateHeadError(const HeadSample& sample, const TransformOptions& transforms, float softmax_scale,
-                            const HeadTables& tables, PageFormat format);
+                            const HeadTables& tables, uint32_t flags, PageFormat format);
 
 // The relative error estimated for an entry's heads (head_estimates table, KvLayout) with every key
 // in `format`: sqrt(Σ_h err_f / Σ_h ref). 0 when no estimate ran.
@@ -114,5 +129,9 @@ double EstimatedRelError(const float* head_estimates, int n_heads, PageFormat fo
 
 // The flags a head gets from the options alone (smooth → μ_k, μ_v; balance → λ, λ_v).
 uint32_t FixedHeadFlags(const TransformOptions& transforms);
+
+// The flags of head h in a layer given the caller's statistics: the options' set plus the plain bits
+// of stats.head_flags (when present and the entry rotates). REQUIRES: stats.head_flags empty or sized H.
+uint32_t CallerStatsHeadFlags(const TransformOptions& transforms, const KvStats& stats, int h);
 
 }  // namespace kvpack

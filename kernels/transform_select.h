@@ -7,6 +7,8 @@
 // choice and report the same estimates, bit for bit.
 #pragma once
 
+
+
 #include <cstdint>
 
 #include "kernels/format.h"
@@ -22,6 +24,12 @@ namespace kvpack {
 // docs/quality.md lost 2–6% of its gains), while on sink heads the chosen set is several times
 // better and clears it easily.
 inline constexpr double kChoiceMargin = 1.25;
+// How much lower than naive's (no μ, no λ, no R where the rotation may be chosen: format v3) any set's
+// estimate must be to replace naive. On docs/quality.md's real activations (MiniLM, 216 heads per
+// format) the INT4 heads whose measured cosine fell below naive's went 16 → 9 → 4 → 2 → 0 for margins
+// 1.0, 1.05, 1.15, 1.2, 1.3 (INT8 17 → 1, by 2e-7), with mean cosines within ±1e-4; where the
+// transforms matter (outlier channels, sink heads) they beat naive several times over.
+inline constexpr double kNaiveMargin = 1.3;
 
 // e^x in double from +, −, ×, floor and exponent bits only, so that host and device agree bit for
 // bit (the libraries' exp differ in the last place): x = k·ln2 + r with |r| ≤ ln2/2 (ln2 split so
@@ -129,12 +137,17 @@ struct ChoiceCandidate {
   bool balance_k = false;
   int v_smooth_halves = 0;  // μ_v scaled by v_smooth_halves / 2: 0 none, 1 partial, 2 full
   bool balance_v = false;
+  bool plain_k = false;     // q and k without R (in a rotated entry)
+  bool plain_v = false;     // V without R
 
   KVPACK_HD uint32_t Flags() const {
     return (smooth_k ? kHeadSmoothK : 0u) | (balance_k ? kHeadBalanceK : 0u) |
            (v_smooth_halves == 2 ? kHeadSmoothV : 0u) | (v_smooth_halves == 1 ? kHeadSmoothVHalf : 0u) |
-           (balance_v ? kHeadBalanceV : 0u);
+           (balance_v ? kHeadBalanceV : 0u) | (plain_k ? kHeadPlainK : 0u) | (plain_v ? kHeadPlainV : 0u);
   }
+  // Whether the candidate's q and k (V) go through R in an entry whose switch is `entry_rotates`.
+  KVPACK_HD bool RotatesK(bool entry_rotates) const { return entry_rotates && !plain_k; }
+  KVPACK_HD bool RotatesV(bool entry_rotates) const { return entry_rotates && !plain_v; }
   // Channel c of the four rows the candidate stores with, from the full tables (every allowed
   // transform on): μ_k, λ, μ_v, λ_v.
   KVPACK_HD float MuK(const float* full_mu_k, int c) const { return smooth_k ? full_mu_k[c] : 0.0f; }
@@ -164,46 +177,63 @@ KVPACK_HD inline ChoiceCandidate FixedCandidate(const TransformOptions& t) {
 //   ErrorSums VOnly(const ChoiceCandidate&)       exact probabilities, the candidate's V side
 //   ErrorSums Both(const ChoiceCandidate&, int f) both sides, keys in format f (−1: their own)
 // (on the device every thread of the CTA calls it, and the evaluator's calls are collective).
-// K candidates with exact V, V candidates with exact probabilities, in a fixed order, the first of
-// equal estimates kept; then the options' set against naive and the best pair against the one kept:
-// naive first so that an equal estimate never displaces it; the pair must beat the options' set by
-// kChoiceMargin. Writes the kept set to *kept. REQUIRES: t.choose_per_head.
+// K candidates with exact V, V candidates with exact probabilities (each side rotated, then plain
+// where MayPlainK / MayPlainV), in a fixed order, the first of equal estimates kept; then the options'
+// set against naive and the best pair against the one kept: a set must beat naive by kNaiveMargin,
+// and the pair the options' set by kChoiceMargin. Writes the kept set to *kept.
+// REQUIRES: t.choose_per_head.
+//
+// Whether the choice may store q and k (V) without R: a rotated entry whose options allow it.
+KVPACK_HD inline bool MayPlainK(const TransformOptions& t) { return t.rotate && t.choose_plain_k; }
+KVPACK_HD inline bool MayPlainV(const TransformOptions& t) { return t.rotate && t.choose_plain_v; }
+
 template <class Eval>
 KVPACK_HD HeadChoice SelectHeadTransforms(Eval& est, const TransformOptions& t, ChoiceCandidate* kept) {
   HeadChoice choice;
-  const ChoiceCandidate naive;
+  ChoiceCandidate naive;
+  naive.plain_k = MayPlainK(t);
+  naive.plain_v = MayPlainV(t);
   const ChoiceCandidate fixed = FixedCandidate(t);
   choice.naive = est.Both(naive, -1);
 
-  ChoiceCandidate best = naive;
+  // Each side's candidates rotated first (the entry's way), then plain where allowed.
+  ChoiceCandidate best;
   double best_k = INFINITY, best_v = INFINITY;
-  for (int k = 0; k < 3; ++k) {
-    ChoiceCandidate c;
-    c.smooth_k = k >= 1;
-    c.balance_k = k == 2;
-    if ((c.smooth_k && !t.smooth) || (c.balance_k && !t.balance)) continue;
-    const double e = est.KOnly(c).query_rel;
-    if (e < best_k) best_k = e, best.smooth_k = c.smooth_k, best.balance_k = c.balance_k;
-  }
-  for (int halves = 0; halves <= 2; ++halves) {
-    for (int bal = 0; bal <= 1; ++bal) {
+  for (int plain = 0; plain <= (MayPlainK(t) ? 1 : 0); ++plain) {
+    for (int k = 0; k < 3; ++k) {
       ChoiceCandidate c;
-      c.v_smooth_halves = halves;
-      c.balance_v = bal == 1;
-      if ((halves > 0 && !t.smooth) || (c.balance_v && !t.balance)) continue;
-      const double e = est.VOnly(c).query_rel;
-      if (e < best_v) best_v = e, best.v_smooth_halves = halves, best.balance_v = c.balance_v;
+      c.smooth_k = k >= 1;
+      c.balance_k = k == 2;
+      c.plain_k = plain == 1;
+      if ((c.smooth_k && !t.smooth) || (c.balance_k && !t.balance)) continue;
+      const double e = est.KOnly(c).query_rel;
+      if (e < best_k) best_k = e, best.smooth_k = c.smooth_k, best.balance_k = c.balance_k, best.plain_k = c.plain_k;
+    }
+  }
+  for (int plain = 0; plain <= (MayPlainV(t) ? 1 : 0); ++plain) {
+    for (int halves = 0; halves <= 2; ++halves) {
+      for (int bal = 0; bal <= 1; ++bal) {
+        ChoiceCandidate c;
+        c.v_smooth_halves = halves;
+        c.balance_v = bal == 1;
+        c.plain_v = plain == 1;
+        if ((halves > 0 && !t.smooth) || (c.balance_v && !t.balance)) continue;
+        const double e = est.VOnly(c).query_rel;
+        if (e < best_v) {
+          best_v = e, best.v_smooth_halves = halves, best.balance_v = c.balance_v, best.plain_v = c.plain_v;
+        }
+      }
     }
   }
 
   *kept = naive;
   choice.chosen = choice.naive;
   const ErrorSums fixed_error = est.Both(fixed, -1);
-  const bool fixed_kept = fixed_error.query_rel < choice.chosen.query_rel;
+  const bool fixed_kept = fixed_error.query_rel * kNaiveMargin < choice.chosen.query_rel;
   if (fixed_kept) choice.chosen = fixed_error, *kept = fixed;
   if (best.Flags() != fixed.Flags() && best.Flags() != naive.Flags()) {
     const ErrorSums e = est.Both(best, -1);
-    if (e.query_rel * (fixed_kept ? kChoiceMargin : 1.0) < choice.chosen.query_rel) choice.chosen = e, *kept = best;
+    if (e.query_rel * (fixed_kept ? kChoiceMargin : kNaiveMargin) < choice.chosen.query_rel) choice.chosen = e, *kept = best;
   }
   for (int f = 0; f < kNumPageFormats; ++f) choice.by_format[f] = est.Both(*kept, f);
   choice.flags = kept->Flags() | kHeadChosen;

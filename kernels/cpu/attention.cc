@@ -10,6 +10,7 @@
 #include "kernels/format.h"
 #include "kernels/page_codec.h"
 #include "kernels/rotation.h"
+#include "kernels/transform_choice.h"
 #include "kernels/visibility.h"
 
 namespace kvpack::cpu {
@@ -140,7 +141,7 @@ void FinishTile(const KvEntryView& kv, int head, int n, const TileState& state, 
     }
     const float inv = 1.0f / state.l[i];
     for (int c = 0; c < d; ++c) o[c] = state.acc[i * d + c] * inv;
-    if (kv.rotate) RotateInverse(o, d, kv.seed);
+    if (HeadRotatesV(kv.rotate, kv.head_flags, head)) RotateInverse(o, d, kv.seed);
     for (int c = 0; c < d; ++c) o[c] *= lambda_v[c];
     for (int c = 0; c < d; ++c) o[c] += mu_v[c];
   }
@@ -181,7 +182,7 @@ Error AttendFloat(const KvEntryView& kv, const QueryBlock& queries, const Attent
       const int64_t t = first + i;
       const float* src = queries.q + (t * heads + h) * d;
       std::copy(src, src + d, q + i * d);
-      ToStoredQ(q + i * d, d, kv.lambda + static_cast<int64_t>(h) * d, kv.rotate, kv.seed);
+      ToStoredQ(q + i * d, d, kv.lambda + static_cast<int64_t>(h) * d, HeadRotatesK(kv.rotate, kv.head_flags, h), kv.seed);
       seq[i] = queries.seq_ids ? queries.seq_ids[t] : 0;
       pos[i] = queries.positions ? queries.positions[t] : t;
     }

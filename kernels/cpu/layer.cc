@@ -45,6 +45,10 @@ Error CheckStats(const KvStats& stats, const LayerShape& shape) {
       if (!(x > 0.0f)) return InvalidArgument(std::string(fields[i].name) + " holds a value that is not positive");
     }
   }
+  if (!stats.head_flags.empty() && stats.head_flags.size() != static_cast<size_t>(shape.n_heads)) {
+    return InvalidArgument("stats.head_flags has " + std::to_string(stats.head_flags.size()) +
+                           " entries, expected 0 or n_heads = " + std::to_string(shape.n_heads));
+  }
   return Error::Ok();
 }
 
@@ -186,6 +190,7 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
   TransformRecord record = FixedTransformRecord(shape, config.transforms);
   if (config.stats != nullptr) {
     stats = *config.stats;
+    for (int h = 0; h < shape.n_heads; ++h) record.head_flags[h] = CallerStatsHeadFlags(config.transforms, stats, h);
   } else if (NeedsSamplePass(config)) {
     const int64_t s = StatsSampleCount(n, config.transforms);
     const int64_t cols = SampleCols(config);
@@ -217,7 +222,7 @@ Error ProjectKv(const LayerConfig& config, const LayerTensors& tensors, uint8_t*
     }
     const TokenPageMap ranges(config.ranges);
     record = ChooseTransforms(
-        s, s, shape, config.transforms, config.attention.softmax_scale, kv_row, q_row,
+        s, s, shape, ChoiceTransforms(config), config.attention.softmax_scale, kv_row, q_row,
         [&](int64_t i) { return config.ranges[ranges.RangeOf(StatsSampleToken(i, n, s))].format; }, &stats, threads);
   } else {
     stats.mu_k.assign(hd, 0.0f);
@@ -302,7 +307,7 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
         uint16_t* head_row = q_row + static_cast<int64_t>(h) * d;
         const uint16_t* given = config.projected.enabled ? tensors.q + config.projected.Offset(t, h) : head_row;
         EpilogueRow(epilogue, Proj::kQ, t, h, given, q);
-        ToStoredQ(q, d, kv.lambda + static_cast<int64_t>(h) * d, kv.rotate, kv.seed);
+        ToStoredQ(q, d, kv.lambda + static_cast<int64_t>(h) * d, HeadRotatesK(kv.rotate, kv.head_flags, h), kv.seed);
         for (int c = 0; c < d; ++c) head_row[c] = FloatToBf16(q[c]);  // exact: q is bf16-valued
       }
     });

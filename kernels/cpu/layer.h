@@ -53,6 +53,8 @@
 
 namespace kvpack::cpu {
 
+struct TransformRecord;  // stats.h
+
 struct CpuOptions {
   int n_threads = 0;  // 0: std::thread::hardware_concurrency()
 };
@@ -95,8 +97,11 @@ KvStats ComputeStats(const float* k, const float* v, const LayerShape& shape, co
 
 // Packs float K and V ([N, H, d], after QK-norm and RoPE) into `kv` (PlanKvLayout(shape,
 // ranges).total_bytes): page table, offsets, stats and pages, as ProjectKv would from the same rows.
+// `record` (may be null: flags and estimates zero) is written before the rows: its flags decide which
+// heads store q·k or V without R (transform_choice.h kHeadPlainK / V).
 Error PackKv(const float* k, const float* v, const LayerShape& shape, const std::vector<TokenRange>& ranges,
-             const KvStats& stats, const TransformOptions& transforms, uint8_t* kv, const CpuOptions& options);
+             const KvStats& stats, const TransformOptions& transforms, uint8_t* kv, const CpuOptions& options,
+             const TransformRecord* record = nullptr);
 
 // Queries for AttendFloat: q is [n_q, H, d], un-transformed: λ and R are applied inside and the
 // result rounded to bf16, exactly as the layer does (epilogue.h ToStoredQ).

@@ -7,6 +7,7 @@
 #include "kernels/cpu/layer.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/format.h"
+#include "kernels/transform_choice.h"
 
 namespace kvpack::cpu {
 
@@ -55,14 +56,19 @@ void PackRow(const KvLayout& layout, const LayerShape& shape, const TransformOpt
   const int64_t n_pages = static_cast<int64_t>(layout.pages.size());
   const int64_t stat = static_cast<int64_t>(head) * d;
   const PageFormat format = static_cast<PageFormat>(layout.pages[page].format);
-  ToStoredK(k, d, stats.mu_k.data() + stat, stats.lambda.data() + stat, transforms.rotate, transforms.seed);
-  ToStoredV(v, d, stats.mu_v.data() + stat, stats.lambda_v.data() + stat, transforms.rotate, transforms.seed);
+  // The head's flags as the block holds them (zero where no record was written: the entry's rotation).
+  const uint32_t* flags = reinterpret_cast<const uint32_t*>(block + layout.head_flags_offset);
+  ToStoredK(k, d, stats.mu_k.data() + stat, stats.lambda.data() + stat,
+            HeadRotatesK(transforms.rotate, flags, head), transforms.seed);
+  ToStoredV(v, d, stats.mu_v.data() + stat, stats.lambda_v.data() + stat,
+            HeadRotatesV(transforms.rotate, flags, head), transforms.seed);
   EncodePageRow(format, k, d, slot, block + layout.k_offsets[head * n_pages + page]);
   EncodePageRow(format, v, d, slot, block + layout.v_offsets[head * n_pages + page]);
 }
 
 Error PackKv(const float* k, const float* v, const LayerShape& shape, const std::vector<TokenRange>& ranges,
-             const KvStats& stats, const TransformOptions& transforms, uint8_t* kv, const CpuOptions& options) {
+             const KvStats& stats, const TransformOptions& transforms, uint8_t* kv, const CpuOptions& options,
+             const TransformRecord* record) {
   if (Error e = ValidateShape(shape, false); !e.ok()) return e;
   if (Error e = ValidateRanges(shape.n_tokens, ranges); !e.ok()) return e;
   const size_t hd = static_cast<size_t>(shape.HeadCols());
@@ -74,6 +80,13 @@ Error PackKv(const float* k, const float* v, const LayerShape& shape, const std:
   if (k == nullptr || v == nullptr || kv == nullptr) return InvalidArgument("PackKv: k, v and kv must not be null");
   const KvLayout layout = PlanKvLayout(shape, ranges);
   WriteBlockHeader(layout, stats, kv);
+  if (record != nullptr) {
+    if (record->head_flags.size() != static_cast<size_t>(shape.n_heads) ||
+        record->head_estimates.size() != static_cast<size_t>(shape.n_heads) * kHeadEstimateFields) {
+      return InvalidArgument("PackKv: the transform record must hold n_heads flags and estimates");
+    }
+    WriteTransformRecord(layout, *record, kv);
+  }
   const TokenPageMap map(ranges);
   const int d = shape.head_dim;
   ParallelFor(options.n_threads, shape.n_tokens, [&](int64_t t) {

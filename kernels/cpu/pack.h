@@ -38,7 +38,8 @@ void WriteBlockHeader(const KvLayout& layout, const KvStats& stats, uint8_t* blo
 void WriteTransformRecord(const KvLayout& layout, const TransformRecord& record, uint8_t* block);
 
 // Encodes the stored forms of K and V of (token, head) into their pages. k and v are the epilogued
-// rows (d floats each, after QK-norm and RoPE); they are used as scratch and clobbered.
+// rows (d floats each, after QK-norm and RoPE); they are used as scratch and clobbered. The head's
+// rotation follows the flags already in the block (WriteTransformRecord; HeadRotatesK / V).
 void PackRow(const KvLayout& layout, const LayerShape& shape, const TransformOptions& transforms,
              const KvStats& stats, int page, int slot, int head, float* k, float* v, uint8_t* block);
 

@@ -253,8 +253,10 @@ Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float
   if (transforms.smooth || transforms.balance) {
     const int64_t hd = shape.HeadCols();
     const int64_t s = StatsSampleCount(n_k, transforms);
+    LayerConfig config;  // for the choice's view of the MMA path (ChoiceTransforms)
+    config.shape = shape, config.ranges = ranges, config.transforms = transforms, config.attention = attention;
     chosen = ChooseTransforms(
-        s, n_q, shape, transforms, attention.softmax_scale,
+        s, n_q, shape, ChoiceTransforms(config), attention.softmax_scale,
         [&](int64_t i, int h, float* k_row, float* v_row) {
           const int64_t at = StatsSampleToken(i, n_k, s) * hd + static_cast<int64_t>(h) * head_dim;
           std::copy(k + at, k + at + head_dim, k_row);
@@ -266,8 +268,7 @@ Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float
         },
         [&](int64_t) { return format; }, &stats, options.n_threads);
   }
-  if (Error e = PackKv(k, v, shape, ranges, stats, transforms, block.data(), options); !e.ok()) return e;
-  WriteTransformRecord(layout, chosen, block.data());
+  if (Error e = PackKv(k, v, shape, ranges, stats, transforms, block.data(), options, &chosen); !e.ok()) return e;
   if (record != nullptr) *record = chosen;
   const KvEntryView view = MakeKvView(layout, shape, block.data(), transforms);
   QueryBlock queries;

@@ -8,6 +8,7 @@
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/format.h"
 #include "kernels/rotation.h"
+#include "kernels/transform_choice.h"
 
 namespace kvpack::cpu {
 namespace {
@@ -87,7 +88,7 @@ void StoredBlockQueries(const KvEntryView& kv, int head, const float* q, int64_t
     const float* src = q + ((first + i) * kv.n_heads + head) * d;
     float* row = stored + i * d;
     std::copy(src, src + d, row);
-    ToStoredQ(row, d, kv.lambda + static_cast<int64_t>(head) * d, kv.rotate, kv.seed);
+    ToStoredQ(row, d, kv.lambda + static_cast<int64_t>(head) * d, HeadRotatesK(kv.rotate, kv.head_flags, head), kv.seed);
     for (int c = 0; c < d; ++c) acc[c] += row[c];
   }
   for (int c = 0; c < d; ++c) centroid[c] = static_cast<float>(acc[c] / n);

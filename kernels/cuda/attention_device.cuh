@@ -21,6 +21,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/warp_row.cuh"
 #include "kernels/format.h"
+#include "kernels/transform_choice.h"
 #include "kernels/visibility.h"
 
 namespace kvpack::cuda {
@@ -203,11 +204,12 @@ __device__ __forceinline__ void WriteOutputRows(const AttentionParams& p, int he
   const float* lambda_v = p.kv.lambda_v + head * kDim + lane * kPerLane;
   float sign[kPerLane];
   LaneSigns(sign, lane, p.kv.seed);
+  const bool rotate = HeadRotatesV(p.kv.rotate, p.kv.head_flags, head);
   for (int r = 0; r < n_rows; ++r) {
     float x[kPerLane];
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) x[i] = rows[r * pitch + lane * kPerLane + i];
-    if (p.kv.rotate) WarpRotateInverse(x, lane, sign);
+    if (rotate) WarpRotateInverse(x, lane, sign);
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) x[i] = __fmul_rn(x[i], lambda_v[i]) + mu_v[i];  // no FMA: as the CPU rounds
     StoreBf16(p.out + (out_row0 + r) * p.out_stride + head * kDim + lane * kPerLane, x);

@@ -89,7 +89,7 @@ cpu::TransformRecord ChooseFromEstimateSample(const LayerConfig& c, const Estima
   };
   const cpu::TokenPageMap ranges(c.ranges);
   return cpu::ChooseTransforms(
-      s, s, c.shape, c.transforms, c.attention.softmax_scale, key_row, query_row,
+      s, s, c.shape, ChoiceTransforms(c), c.attention.softmax_scale, key_row, query_row,
       [&](int64_t i) { return c.ranges[ranges.RangeOf(cpu::StatsSampleToken(i, n, s))].format; }, stats,
       /*n_threads=*/0);
 }
@@ -158,7 +158,7 @@ Error ChooseHeadTransformsFromDevice(const LayerConfig& c, const LayerTensors& t
   a.n_q = static_cast<int>(sp.n_queries), a.n_k = static_cast<int>(sp.n_keys), a.d = c.shape.head_dim;
   a.scale = EstimateSoftmaxScale(c.attention.softmax_scale, c.shape.head_dim);
   a.rotate = c.transforms.rotate, a.seed = c.transforms.seed;
-  a.transforms = c.transforms;
+  a.transforms = ChoiceTransforms(c);
   a.kv = kv;
   a.mu_k_offset = layout.mu_k_offset, a.mu_v_offset = layout.mu_v_offset;
   a.lambda_offset = layout.lambda_offset, a.lambda_v_offset = layout.lambda_v_offset;

@@ -211,11 +211,11 @@ struct DeviceEstimator {
   }
 
   // Stored rows of K or V (source rows kv_stride apart) into out [n_k, d]; f < 0: each key's own format.
-  __device__ void StoredRows(const float* src, const float* mu, const float* lambda, int f, float* out) {
+  __device__ void StoredRows(const float* src, const float* mu, const float* lambda, bool rotate, int f, float* out) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int j = warp; j < a.n_k; j += kThreads / 32) {
       const PageFormat format = static_cast<PageFormat>(f < 0 ? a.formats[j] : f);
-      WarpStoredRow(src + j * a.kv_stride, a.d, mu, lambda, a.rotate, a.seed, format, lane, out + j * a.d);
+      WarpStoredRow(src + j * a.kv_stride, a.d, mu, lambda, rotate, a.seed, format, lane, out + j * a.d);
     }
     __syncthreads();
   }
@@ -329,31 +329,31 @@ struct DeviceEstimator {
     __syncthreads();
   }
 
-  // Probabilities through the candidate's K side (rows already set) into s.p.
-  __device__ void KProbabilities(int f) {
+  // Probabilities through the candidate's K side (rows already set; q and k through R if `rotate`) into s.p.
+  __device__ void KProbabilities(int f, bool rotate) {
     for (int i = threadIdx.x / 32; i < a.n_q; i += kThreads / 32) {
-      WarpStoredQuery(Q() + i * a.q_stride, a.d, Row(kLambda), a.rotate, a.seed, threadIdx.x % 32, s.q + i * a.d);
+      WarpStoredQuery(Q() + i * a.q_stride, a.d, Row(kLambda), rotate, a.seed, threadIdx.x % 32, s.q + i * a.d);
     }
-    StoredRows(K(), Row(kMuK), Row(kLambda), f, s.k);  // its barrier also publishes s.q
+    StoredRows(K(), Row(kMuK), Row(kLambda), rotate, f, s.k);  // its barrier also publishes s.q
     Probabilities(s.q, a.d, s.k, a.d, s.p);
   }
 
   // The evaluator of SelectHeadTransforms.
   __device__ ErrorSums KOnly(const ChoiceCandidate& c) {
     SetRows(c);
-    KProbabilities(-1);
+    KProbabilities(-1, c.RotatesK(a.rotate));
     return OutputError(s.p, V(), a.kv_stride, Row(kZeros), Row(kOnes), false);
   }
   __device__ ErrorSums VOnly(const ChoiceCandidate& c) {
     SetRows(c);
-    StoredRows(V(), Row(kMuV), Row(kLambdaV), -1, s.v);
-    return OutputError(s.p_ref, s.v, a.d, Row(kMuV), Row(kLambdaV), a.rotate);
+    StoredRows(V(), Row(kMuV), Row(kLambdaV), c.RotatesV(a.rotate), -1, s.v);
+    return OutputError(s.p_ref, s.v, a.d, Row(kMuV), Row(kLambdaV), c.RotatesV(a.rotate));
   }
   __device__ ErrorSums Both(const ChoiceCandidate& c, int f) {
     SetRows(c);
-    KProbabilities(f);
-    StoredRows(V(), Row(kMuV), Row(kLambdaV), f, s.v);
-    return OutputError(s.p, s.v, a.d, Row(kMuV), Row(kLambdaV), a.rotate);
+    KProbabilities(f, c.RotatesK(a.rotate));
+    StoredRows(V(), Row(kMuV), Row(kLambdaV), c.RotatesV(a.rotate), f, s.v);
+    return OutputError(s.p, s.v, a.d, Row(kMuV), Row(kLambdaV), c.RotatesV(a.rotate));
   }
 };
 

@@ -225,7 +225,7 @@ RowEpilogueParams QueryRowParams(const LayerConfig& c, const LayerTensors& t, co
   RowEpilogueParams p = BaseRowParams(c, t);
   p.in = q, p.in_stride = hd, p.out_bf16 = q, p.out_stride = hd;
   if (c.projected.enabled) p.given[0] = t.q, p.given_layout = c.projected;  // read there, stored form into q
-  p.lambda = kv.lambda, p.rotate = kv.rotate, p.seed = kv.seed;
+  p.lambda = kv.lambda, p.rotate = kv.rotate, p.head_flags = kv.head_flags, p.seed = kv.seed;
   return p;
 }
 
@@ -352,6 +352,9 @@ Error Supported(const LayerConfig& c) {
       return InvalidArgument("stats: mu_k, mu_v, lambda and lambda_v must each hold n_heads * head_dim = " +
                              std::to_string(want) + " values");
     }
+    if (!c.stats->head_flags.empty() && c.stats->head_flags.size() != static_cast<size_t>(c.shape.n_heads)) {
+      return InvalidArgument("stats.head_flags must hold 0 or n_heads = " + std::to_string(c.shape.n_heads) + " flags");
+    }
   } else if (c.transforms.stats_sample_tokens <= 0) {
     return InvalidArgument("transforms.stats_sample_tokens must be positive");
   }
@@ -382,11 +385,14 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
   WriteKvTables(layout, tables.data());
   KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.pages_offset, tables.data(), tables.size(), cudaMemcpyHostToDevice,
                                      ctx.stream));
-  // Per-head record (format v2): the options' set and no estimate, as the CPU layer records it without
-  // a choice; the pre-pass overwrites it when it chooses per head (head_choice.h).
+  // Per-head record (format v2): the options' set (with the caller's statistics, their plain bits) and
+  // no estimate, as the CPU layer records it without a choice; the pre-pass overwrites it when it
+  // chooses per head (head_choice.h).
   std::vector<uint8_t> record(layout.total_bytes - layout.head_flags_offset, 0);
-  const uint32_t flags = FixedHeadFlags(c.transforms);
-  for (int h = 0; h < c.shape.n_heads; ++h) memcpy(record.data() + h * sizeof(uint32_t), &flags, sizeof(flags));
+  for (int h = 0; h < c.shape.n_heads; ++h) {
+    const uint32_t flags = c.stats ? CallerStatsHeadFlags(c.transforms, *c.stats, h) : FixedHeadFlags(c.transforms);
+    memcpy(record.data() + h * sizeof(uint32_t), &flags, sizeof(flags));
+  }
   KVPACK_CUDA_RETURN(cudaMemcpyAsync(kv + layout.head_flags_offset, record.data(), record.size(),
                                      cudaMemcpyHostToDevice, ctx.stream));
 
@@ -411,6 +417,7 @@ Error ProjectKv(const LayerConfig& c, const LayerTensors& t, uint8_t* kv, uint8_
   p.in = projected, p.in_stride = 2 * hd;
   if (c.projected.enabled) p.given[0] = t.k, p.given[1] = t.v, p.given_layout = c.projected;
   p.mu_k = view.mu_k, p.mu_v = view.mu_v, p.lambda = view.lambda, p.lambda_v = view.lambda_v;
+  p.head_flags = view.head_flags;
   p.kv_block = kv, p.pages = view.pages, p.n_pages = view.n_pages;
   p.k_offsets = view.k_offsets, p.v_offsets = view.v_offsets;
   const int64_t tp = ProjectionRows(c);

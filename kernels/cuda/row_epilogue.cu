@@ -5,6 +5,7 @@
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/page_codec.cuh"
 #include "kernels/cuda/warp_row.cuh"
+#include "kernels/transform_choice.h"
 
 namespace kvpack::cuda {
 namespace {
@@ -97,13 +98,15 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kBlocksPerSm) RowEpilogue
   const float* norm_table = kind == 0 ? p.q_norm_weight : (kind == 1 ? p.k_norm_weight : nullptr);
   const bool norm = p.norm && norm_table != nullptr;
   const int w0 = p.norm_weight_len == kDim ? chan : hc;
+  // q and k rotate together, V on its own (the head's flags may drop R: transform_choice.h).
+  const bool rotate = kind == 2 ? HeadRotatesV(p.rotate, p.head_flags, head) : HeadRotatesK(p.rotate, p.head_flags, head);
   float signs[kPerLane];
   LaneSigns(signs, lane, p.seed);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     bias[i] = p.bias ? p.bias[kind * head_cols + hc + i] : 0.0f;
     norm_w[i] = norm ? norm_table[w0 + i] : 1.0f;
-    const float sign = p.rotate ? signs[i] : 1.0f;
+    const float sign = rotate ? signs[i] : 1.0f;
     shift[i] = 0.0f, factor[i] = sign;
     if constexpr (kMode == RowMode::kQuery) {
       factor[i] = p.lambda[hc + i] * sign;
@@ -170,12 +173,12 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kBlocksPerSm) RowEpilogue
     } else if constexpr (kMode == RowMode::kQuery) {
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) x[i] = __fmul_rn(x[i], factor[i]);  // ×λ, sign
-      if (p.rotate) WarpRotateForwardSigned(x, lane);
+      if (rotate) WarpRotateForwardSigned(x, lane);
       StoreBf16(p.out_bf16 + row * p.out_stride + hc, x);
     } else {
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) x[i] = DivideByReciprocal(x[i] - shift[i], factor[i], inv_factor[i]);
-      if (p.rotate) WarpRotateForwardSigned(x, lane);
+      if (rotate) WarpRotateForwardSigned(x, lane);
       page.Seek(p, head, which, token);
       StorePageRow(x, lane, page.format, static_cast<int>(token - page.begin), page.base);
     }

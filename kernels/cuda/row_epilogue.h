@@ -66,6 +66,7 @@ struct RowEpilogueParams {
   const float* lambda = nullptr;           // K (kPackKv) and Q (kQuery)
   const float* lambda_v = nullptr;         // V (kPackKv)
   bool rotate = true;
+  const uint32_t* head_flags = nullptr;    // the entry's per-head flags: kHeadPlainK / V drop R for a head (may be null)
   uint64_t seed = 0;
 
   // Outputs.

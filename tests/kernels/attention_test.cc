@@ -10,6 +10,7 @@
 #include "kernels/cpu/quality.h"
 #include "kernels/cpu/stats.h"
 #include "kernels/rotation.h"
+#include "kernels/transform_choice.h"
 
 namespace kvpack::cpu {
 namespace {
@@ -79,6 +80,50 @@ TEST(Attention, MatchesFp64ReferenceForEachFormat) {
     const double tol = f == PageFormat::kInt4 ? kRelL2Int4 : f == PageFormat::kInt8 ? kRelL2Int8 : kRelL2Bf16;
     EXPECT_LT(r.rel_l2, tol) << "format " << int(f);
   }
+}
+
+// Format v3: a head whose flags say plain stores q·k (kHeadPlainK) or V (kHeadPlainV) without R. Heads
+// plain on both sides attend exactly as the same head of an unrotated entry, heads plain on neither as a
+// rotated one (bit for bit); heads plain on one side stay within INT8's bound of FP64.
+TEST(Attention, PlainHeadsAttendAsAnUnrotatedEntry) {
+  const Problem p = MakeProblem(37, 300, 4, 64, 31);
+  const LayerShape shape{p.n_k, p.heads * p.d, p.heads, p.d};
+  const std::vector<TokenRange> ranges = {{0, p.n_k, 0, PageFormat::kInt8}};
+  const KvLayout layout = PlanKvLayout(shape, ranges);
+  const QueryBlock queries = AllQueries(p);
+  const auto attend = [&](const TransformOptions& t, const TransformRecord* record) {
+    std::vector<uint8_t> block(layout.total_bytes);
+    const KvStats stats = ComputeStats(p.data.k.data(), p.data.v.data(), shape, t);
+    EXPECT_TRUE(PackKv(p.data.k.data(), p.data.v.data(), shape, ranges, stats, t, block.data(), CpuOptions{2}, record).ok());
+    std::vector<float> out(static_cast<size_t>(p.n_q) * p.heads * p.d);
+    EXPECT_TRUE(AttendFloat(MakeKvView(layout, shape, block.data(), t), queries, {}, out.data(), CpuOptions{2}).ok());
+    return out;
+  };
+  TransformOptions rotated, unrotated;
+  unrotated.rotate = false;
+  TransformRecord record = FixedTransformRecord(shape, rotated);
+  record.head_flags[0] |= kHeadPlainK | kHeadPlainV;
+  record.head_flags[2] |= kHeadPlainK;
+  record.head_flags[3] |= kHeadPlainV;
+  const std::vector<float> mixed = attend(rotated, &record);
+  const std::vector<float> all_rotated = attend(rotated, nullptr);
+  const std::vector<float> none_rotated = attend(unrotated, nullptr);
+  const auto head_equal = [&](const std::vector<float>& a, int h) {
+    for (int64_t i = 0; i < p.n_q; ++i) {
+      for (int c = 0; c < p.d; ++c) {
+        const size_t at = (static_cast<size_t>(i) * p.heads + h) * p.d + c;
+        if (a[at] != mixed[at]) return false;
+      }
+    }
+    return true;
+  };
+  EXPECT_TRUE(head_equal(none_rotated, 0)) << "head 0 (plain q·k and V) as in an unrotated entry";
+  EXPECT_TRUE(head_equal(all_rotated, 1)) << "head 1 (no plain bit) as in a rotated entry";
+  EXPECT_FALSE(head_equal(all_rotated, 0));
+  EXPECT_FALSE(head_equal(all_rotated, 2));
+  EXPECT_FALSE(head_equal(all_rotated, 3));
+  const std::vector<double> ref = Reference(p, queries, nullptr, {});
+  EXPECT_LT(CompareOutputs(ref.data(), mixed.data(), p.n_q, p.heads, p.d).rel_l2, kRelL2Int8);
 }
 
 // The INT8 MMA path (mma_path.h) against FP64, relative to the bf16 path's error on the same pages:

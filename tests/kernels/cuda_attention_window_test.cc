@@ -15,6 +15,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/format.h"
 #include "kernels/layer_spec.h"
+#include "kernels/transform_choice.h"
 #include "tests/kernels/cpu_test_layer.h"
 #include "tests/kernels/cuda_test_layer.h"
 
@@ -128,7 +129,7 @@ TEST(CudaAttentionWindow, EntryPastOneWindowMatchesTheCpu) {
   for (int t = 0; t < kQueries; ++t) {
     for (int h = 0; h < kHeads; ++h) {
       float* row = q.data() + t * hd + h * kDim;
-      cpu::ToStoredQ(row, kDim, host.lambda + h * kDim, host.rotate, host.seed);
+      cpu::ToStoredQ(row, kDim, host.lambda + h * kDim, HeadRotatesK(host.rotate, host.head_flags, h), host.seed);
       for (int c = 0; c < kDim; ++c) {
         q_ws[t * hd + h * kDim + c] = FloatToBf16(row[c]);
         q_head[(static_cast<size_t>(h) * kQueries + t) * kDim + c] = Bf16ToFloat(q_ws[t * hd + h * kDim + c]);

@@ -142,13 +142,16 @@ struct Floors {
   double chosen_mean, chosen_worst, fixed_mean_below;
 };
 
-void RunSinkCase(PageFormat format, const Floors& floors) {
+// mma kBf16: the choice may also keep q·k plain (format v3), which the INT8 MMA path (auto here) forbids.
+void RunSinkCase(PageFormat format, const Floors& floors, MmaPath mma = MmaPath::kAuto) {
   constexpr int64_t kTokens = 2048;
   constexpr int kHeads = 8, kDim = 64;
-  const std::string name = std::string("sinks ") + (format == PageFormat::kInt4 ? "int4" : "int8") + " N=2048 H=8 d=64";
+  const std::string name = std::string("sinks ") + (format == PageFormat::kInt4 ? "int4" : "int8") +
+                           (mma == MmaPath::kBf16 ? " bf16-mma" : "") + " N=2048 H=8 d=64";
   const Qkv in = SinkData(kTokens, kHeads, kDim);
-  const LayerConfig chosen_cfg = SinkConfig(kTokens, kHeads, kDim, format, true);
-  const LayerConfig fixed_cfg = SinkConfig(kTokens, kHeads, kDim, format, false);
+  LayerConfig chosen_cfg = SinkConfig(kTokens, kHeads, kDim, format, true);
+  LayerConfig fixed_cfg = SinkConfig(kTokens, kHeads, kDim, format, false);
+  chosen_cfg.attention.mma = fixed_cfg.attention.mma = mma;
   ASSERT_TRUE(ChoosesPerHead(chosen_cfg));
   LayerRun gpu, cpu_run, gpu_fixed;
   RunOnGpu(chosen_cfg, in, &gpu);
@@ -174,6 +177,10 @@ void RunSinkCase(PageFormat format, const Floors& floors) {
   }
   std::printf("\n");
   ok &= Check("heads whose flags equal the CPU's", same_flags, ">=", kHeads);
+  int plain_k = 0, plain_v = 0;  // heads stored without R (format v3): the paths this case exercises
+  for (int h = 0; h < kHeads; ++h) plain_k += (g_flags[h] & kHeadPlainK) != 0, plain_v += (g_flags[h] & kHeadPlainV) != 0;
+  std::printf("[%s] heads with plain q·k: %d, plain V: %d\n", name.c_str(), plain_k, plain_v);
+  if (ConfigMmaPath(chosen_cfg) == MmaPath::kInt8) ok &= Check("heads with plain q·k on the INT8 MMA path", plain_k, "<=", 0);
 
   // ── Tables and estimates ──────────────────────────────────────────────────────────────────────
   int64_t same_values = 0;
@@ -251,6 +258,11 @@ TEST(CudaHeadChoice, SinkHeadsInt4ChooseAsTheCpu) {
 TEST(CudaHeadChoice, SinkHeadsInt8ChooseAsTheCpu) {
   SKIP_WITHOUT_GPU();
   RunSinkCase(PageFormat::kInt8, {kInt8ChosenMeanCos, kInt8ChosenWorstCos, kInt8FixedMeanCosBelow});
+}
+
+TEST(CudaHeadChoice, SinkHeadsInt4Bf16MmaChooseAsTheCpu) {
+  SKIP_WITHOUT_GPU();
+  RunSinkCase(PageFormat::kInt4, {kInt4ChosenMeanCos, kInt4ChosenWorstCos, kInt4FixedMeanCosBelow}, MmaPath::kBf16);
 }
 
 // The estimate's rows as the device lays them out (head_choice.h steps 1–3) from the float rows of
@@ -355,7 +367,7 @@ void RunDeviceEstimateCase(int heads, int dim, bool two_formats) {
   a.formats = d_formats.as<uint8_t>();
   a.n_q = n_q, a.n_k = n_k, a.d = dim;
   a.scale = EstimateSoftmaxScale(cfg.attention.softmax_scale, dim);
-  a.rotate = cfg.transforms.rotate, a.seed = cfg.transforms.seed, a.transforms = cfg.transforms;
+  a.rotate = cfg.transforms.rotate, a.seed = cfg.transforms.seed, a.transforms = ChoiceTransforms(cfg);  // as the layer passes them (head_choice.cc)
   a.kv = d_kv.as<uint8_t>();
   a.mu_k_offset = layout.mu_k_offset, a.mu_v_offset = layout.mu_v_offset;
   a.lambda_offset = layout.lambda_offset, a.lambda_v_offset = layout.lambda_v_offset;

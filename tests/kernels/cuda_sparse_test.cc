@@ -26,6 +26,7 @@
 #include "kernels/cpu/sparse_layer.h"
 #include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/layer.h"
+#include "kernels/transform_choice.h"
 #include "tests/kernels/cpu_test_layer.h"
 #include "tests/kernels/cuda_test_layer.h"
 
@@ -127,7 +128,7 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
   for (int64_t t = 0; t < n; ++t) {
     for (int h = 0; h < heads; ++h) {
       float* row = q.data() + t * hd + h * d;
-      cpu::ToStoredQ(row, d, host.lambda + h * d, host.rotate, host.seed);
+      cpu::ToStoredQ(row, d, host.lambda + h * d, HeadRotatesK(host.rotate, host.head_flags, h), host.seed);
       for (int i = 0; i < d; ++i) q_ws[t * hd + h * d + i] = FloatToBf16(row[i]);
     }
   }

@@ -104,6 +104,8 @@ KvStats StatsOf(const TestLayer& L, const std::vector<uint8_t>& kv) {
   s.mu_v.assign(base + layout.mu_v_offset / 4, base + layout.mu_v_offset / 4 + hd);
   s.lambda.assign(base + layout.lambda_offset / 4, base + layout.lambda_offset / 4 + hd);
   s.lambda_v.assign(base + layout.lambda_v_offset / 4, base + layout.lambda_v_offset / 4 + hd);
+  const uint32_t* flags = reinterpret_cast<const uint32_t*>(kv.data() + layout.head_flags_offset);
+  s.head_flags.assign(flags, flags + L.config.shape.n_heads);  // the heads' rotation goes with the tables
   return s;
 }
 

@@ -119,10 +119,10 @@ TEST(TransformChoice, NeverRanksBelowNaiveAndReportsBothEstimates) {
     EXPECT_GT(c.by_format[0].Rel(), c.by_format[1].Rel());
     EXPECT_GT(c.by_format[1].Rel(), c.by_format[2].Rel());
     // The tables now hold the kept set: estimating them again gives the same figure.
-    EXPECT_DOUBLE_EQ(EstimateHeadError(sample, s.transforms, 0.0f, tables, PageFormat::kInt4).err, c.chosen.err);
+    EXPECT_DOUBLE_EQ(EstimateHeadError(sample, s.transforms, 0.0f, tables, c.flags, PageFormat::kInt4).err, c.chosen.err);
     // Each format's figure (from the estimator's reused K and V sides) is a fresh estimate's.
     for (int f = 0; f < kNumPageFormats; ++f) {
-      EXPECT_DOUBLE_EQ(EstimateHeadError(sample, s.transforms, 0.0f, tables, static_cast<PageFormat>(f)).err,
+      EXPECT_DOUBLE_EQ(EstimateHeadError(sample, s.transforms, 0.0f, tables, c.flags, static_cast<PageFormat>(f)).err,
                        c.by_format[f].err) << "head " << h << " format " << f;
     }
   }
@@ -157,6 +157,39 @@ TEST(TransformChoice, OptionsBoundTheCandidates) {
   EXPECT_EQ(stats.mu_v, full.mu_v);
   EXPECT_EQ(r.head_flags, std::vector<uint32_t>(kHeads, FixedHeadFlags(s.transforms)));
   EXPECT_GT(EstimatedRelError(r.head_estimates.data(), kHeads, PageFormat::kInt4), 0.0);  // still estimated
+}
+
+// Rows already on INT4's grid (every row holds each integer in [−8, 7]) are stored exactly without R
+// and inexactly with it: the choice stores q·k and V plain (format v3), and only where the options
+// allow it.
+TEST(TransformChoice, KeepsRowsOnTheGridPlainWhereAllowed) {
+  constexpr int d = 64, n_keys = 256, n_q = kEstimateQueries;
+  std::vector<float> q(n_q * d), k(n_keys * d), v(n_keys * d);
+  for (int j = 0; j < n_keys; ++j) {
+    for (int c = 0; c < d; ++c) {
+      k[j * d + c] = static_cast<float>((j + c) % 16 - 8);
+      v[j * d + c] = static_cast<float>((3 * j + 5 * c) % 16 - 8);
+    }
+  }
+  for (int i = 0; i < n_q * d; ++i) q[i] = static_cast<float>((i * 37) % 11 - 5) / 16.0f;  // bf16-exact
+  const std::vector<PageFormat> formats(n_keys, PageFormat::kInt4);
+  const HeadSample sample{d, n_keys, n_q, q.data(), k.data(), v.data(), formats.data()};
+  const auto choose = [&](const TransformOptions& t) {
+    std::vector<float> mu_k(d, 0.25f), mu_v(d, -0.5f), lambda(d, 1.5f), lambda_v(d, 0.75f);
+    return ChooseHeadTransforms(sample, t, 0.0f, HeadTables{mu_k.data(), mu_v.data(), lambda.data(), lambda_v.data()});
+  };
+  TransformOptions t;
+  const HeadChoice plain = choose(t);
+  EXPECT_EQ(plain.flags & (kHeadPlainK | kHeadPlainV), kHeadPlainK | kHeadPlainV);
+  EXPECT_LT(plain.chosen.Rel(), 1e-6) << "exact rows";
+  TransformOptions no_plain_k = t;
+  no_plain_k.choose_plain_k = false;  // as ChoiceTransforms sets it on the INT8 MMA path
+  const HeadChoice v_only = choose(no_plain_k);
+  EXPECT_EQ(v_only.flags & (kHeadPlainK | kHeadPlainV), kHeadPlainV);
+  EXPECT_GT(v_only.chosen.Rel(), plain.chosen.Rel());
+  TransformOptions unrotated = t;
+  unrotated.rotate = false;  // nothing to drop
+  EXPECT_EQ(choose(unrotated).flags & (kHeadPlainK | kHeadPlainV), 0u);
 }
 
 TEST(TransformChoice, WithoutQueriesKeepsTheOptionsSet) {
