@@ -202,7 +202,7 @@ struct KvEntryView {
   const float* mu_v = nullptr;         // [n_heads · head_dim]
   const float* lambda = nullptr;       // [n_heads · head_dim]  K balancing
   const float* lambda_v = nullptr;     // [n_heads · head_dim]  V balancing
-  const uint32_t* head_flags = nullptr; // [n_heads] HeadTransformFlag bits (transform_choice.h); kernels ignore it
+  const uint32_t* head_flags = nullptr; // [n_heads] HeadTransformFlag bits (transform_choice.h); kernels read the plain bits (HeadRotatesK / V)
   const float* head_estimates = nullptr;  // [n_heads · kHeadEstimateFields] (KvLayout); kernels ignore it
   uint64_t seed = 0;
   bool rotate = true;
