@@ -10,7 +10,13 @@ the row quantizer differs. The error is the attention output's rel L2 against fl
 the unquantized K/V (queries exact), over a strided sample of queries, summed over heads; "K only"
 and "V only" quantize one side. Bits per value count the codes and every scale/offset stored.
 
-    python3 bench/int4_format_study.py [--n 4096 --heads 4 --queries 256]
+--balance applies kvpack's K/V balancing (λ from the K ranges and V RMS of the head, cpu/stats.cc)
+before every quantizer, as format v1's full set stores rows; without it the v1 rows are about twice
+kvpack's own error. The last candidates keep the head's widest channels (or principal directions)
+apart, quantized on their own per row or per channel, and store the rest as v1 INT4 rows ("dense and
+sparse"); --apart runs only those, v1 and INT5.
+
+    python3 bench/int4_format_study.py [--n 4096 --heads 4 --queries 256] [--balance] [--apart]
 """
 
 import argparse
@@ -191,7 +197,65 @@ def attention(q, k, v):
     return p @ v
 
 
-def study(q, k, v, quantizers, queries, seed=7):
+def int8_sym_rows(r):
+    """INT8 symmetric per row, fp16 scale (the channels kept apart below)."""
+    s = half(np.abs(r).max(1, keepdims=True) / 127)
+    s = np.where(s > 0, s, 1.0)
+    return np.clip(np.round(r / s), -127, 127) * s
+
+
+def rotated(quant):
+    """A row quantizer of the rotated rows, as format v1 stores them: rows [m, d] unrotated in, out."""
+    def q(r, rot):
+        y, bits = quant(r @ rot)
+        return y @ rot.T, bits
+    return q
+
+
+def channels_apart(c, apart="int8"):
+    """Dense and sparse: the c widest channels of the head (by range over its rows) kept apart per
+    row (INT8 symmetric + fp16 scale, or bf16), the rest rotated and stored as v1 INT4 rows (the
+    apart channels zeroed before the rotation). Costs 8 or 16 bits per apart channel and value."""
+    def q(r, rot):
+        m, d = r.shape
+        wide = np.argsort(-(r.max(0) - r.min(0)))[:c]
+        rest = r.copy()
+        rest[:, wide] = 0.0
+        y, _ = v1_int4(rest @ rot)
+        y = y @ rot.T
+        if apart == "int8":      # per row: an fp16 scale per row for its c values
+            y[:, wide], extra = int8_sym_rows(r[:, wide]), c * 8 + 16
+        elif apart == "int8c":   # per channel: the head's scale table (max |value| / 127), no row bytes
+            s = half(np.abs(r[:, wide]).max(0, keepdims=True) / 127)
+            y[:, wide], extra = np.clip(np.round(r[:, wide] / s), -127, 127) * s, c * 8
+        else:
+            y[:, wide], extra = bf16(r[:, wide]), c * 16
+        return y, 4 + 32 / d + extra / d
+    return q
+
+
+def principal_apart(c):
+    """The c principal directions of the head's rows (their covariance's top eigenvectors, a d x c
+    basis stored per head) kept apart per row as INT8 coefficients, the remainder rotated as v1 INT4."""
+    def q(r, rot):
+        m, d = r.shape
+        w, u = np.linalg.eigh(r.T @ r / m)
+        basis = u[:, np.argsort(-w)[:c]]
+        coef = r @ basis
+        rest = r - coef @ basis.T
+        y, _ = v1_int4(rest @ rot)
+        return y @ rot.T + int8_sym_rows(coef) @ basis.T, 4 + 32 / d + (c * 8 + 16) / d
+    return q
+
+
+def balance_lambda(x, spread):
+    """kvpack's λ of one head (cpu/stats.cc BalanceFromSpreads): sqrt of the channel's spread over
+    the geometric mean of those roots (spreads floored at kLambdaFloor of the widest)."""
+    s = np.sqrt(np.maximum(spread, 1e-4 * spread.max()))
+    return s / np.exp(np.log(s).mean())
+
+
+def study(q, k, v, quantizers, queries, seed=7, balance=False):
     heads, n, d = k.shape
     rows = (np.arange(queries) * n) // queries
     rot = hadamard(d, seed)
@@ -199,15 +263,22 @@ def study(q, k, v, quantizers, queries, seed=7):
     ref_norm = math.sqrt(sum((r * r).sum() for r in ref))
     table = {}
     for name, quant in quantizers:
+        if not isinstance(quant, tuple):
+            quant = ("rows", rotated(quant))
+        quant = quant[1]
         errs = {}
         bits = None
         stored = []
         for h in range(heads):
             mu_k, mu_v = k[h].mean(0), v[h].mean(0)
-            ks, vs = (k[h] - mu_k) @ rot, (v[h] - mu_v) @ rot
-            kq, bits = quant(ks)
-            vq, _ = quant(vs)
-            stored.append((kq @ rot.T + mu_k, vq @ rot.T + mu_v))
+            lam = np.ones(d)
+            lam_v = np.ones(d)
+            if balance:   # K range and V RMS, as kvpackd's stats pre-pass
+                lam = balance_lambda(k[h], np.abs(k[h] - mu_k).max(0))
+                lam_v = balance_lambda(v[h], np.sqrt(((v[h] - mu_v) ** 2).mean(0)))
+            kq, bits = quant((k[h] - mu_k) / lam, rot)
+            vq, _ = quant((v[h] - mu_v) / lam_v, rot)
+            stored.append((kq * lam + mu_k, vq * lam_v + mu_v))
         for side in ("both", "K only", "V only"):
             e2 = 0.0
             for h in range(heads):
@@ -226,6 +297,10 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--queries", type=int, default=256)
     ap.add_argument("--sets", default="bench,outliers,sinks,qknorm")
+    ap.add_argument("--balance", action="store_true",
+                    help="K and V balanced by kvpack's λ before every quantizer (format v1's full set)")
+    ap.add_argument("--apart", action="store_true",
+                    help="only v1, INT5 and the candidates that keep channels or directions apart")
     args = ap.parse_args()
     lm = lloyd_max_gaussian()
     quantizers = [
@@ -239,15 +314,28 @@ def main():
         ("Lloyd-Max Gaussian, groups of 64 RMS", grouped(codebook_rms(lm), 64)),
         ("INT5 asym row (reference: 5 bits)", asym_int(32)),
     ]
+    apart = [
+        ("4 widest channels apart (INT8), rest v1 INT4", ("apart", channels_apart(4))),
+        ("2 widest channels apart (bf16), rest v1 INT4", ("apart", channels_apart(2, "bf16"))),
+        ("4 widest channels apart (INT8, per-channel scale), rest v1 INT4", ("apart", channels_apart(4, "int8c"))),
+        ("6 widest channels apart (INT8, per-channel scale), rest v1 INT4", ("apart", channels_apart(6, "int8c"))),
+        ("8 widest channels apart (INT8, per-channel scale), rest v1 INT4", ("apart", channels_apart(8, "int8c"))),
+        ("4 principal directions apart (INT8), rest v1 INT4", ("apart", principal_apart(4))),
+    ]
+    if args.apart:
+        quantizers = [quantizers[0], quantizers[-1]] + apart
+    else:
+        quantizers += apart
     rng = np.random.default_rng(11)
     for name in args.sets.split(","):
         if name == "bench":
             q, k, v = bench_heads(args.n, 7168, 56, 128, args.heads)
         else:
             q, k, v = synthetic(args.n, args.heads, 128, name, rng)
-        table = study(q, k, v, quantizers, args.queries)
+        table = study(q, k, v, quantizers, args.queries, balance=args.balance)
         base = table[quantizers[0][0]][1]["both"]
-        print(f"\n{name}: N={args.n}, {args.heads} heads x 128, {args.queries} queries")
+        print(f"\n{name}: N={args.n}, {args.heads} heads x 128, {args.queries} queries"
+              f"{', balanced (λ)' if args.balance else ''}")
         print(f"| quantizer | bits/value | rel L2 | x v1 | K only | V only |")
         print(f"| --- | ---: | ---: | ---: | ---: | ---: |")
         for qn, (bits, e) in table.items():
