@@ -418,6 +418,10 @@ class ProjectedAttention:
         # Whether the daemon's kernels were still running when that answer arrived (its done event
         # still pending): then this stream's next kernels were queued before the GPU needed them.
         self.last_answer_ahead = False
+        # The last CUDA IPC call's time here by step, seconds: "before" (layouts, output, region
+        # lookups, event record), "rpc" (the header and the gRPC call, the daemon's total inside),
+        # "after" (the stream's wait on the done event, the output view).
+        self.last_split = None
         self._events = threading.local()    # per thread: {device index: interprocess event}
         self._op_id = torch_ops.register(self)
         self._ranges = {}               # (B, N, ranges) -> the packed ranges of the call
@@ -480,6 +484,7 @@ class ProjectedAttention:
         return from_wire_bf16(res.output, (b, n, h, d), q)
 
     def _by_ipc(self, q, k, v, ranges, options):
+        t0 = time.perf_counter()
         b, n, h, d = q.shape
         hd, n_tokens = h * d, b * n
         qkv = [t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16) for t in (q, k, v)]
@@ -503,6 +508,7 @@ class ProjectedAttention:
         if event is None:
             stream.synchronize()        # q, k, v written before it reads
         done = self._done_event(q.device, stream)
+        t1 = time.perf_counter()
         while True:
             try:
                 res = self.client.attention_projected(
@@ -522,6 +528,7 @@ class ProjectedAttention:
                     stream.synchronize()
                 else:
                     raise
+        t2 = time.perf_counter()
         self.last_result, self.last_transport = res.result, "cuda_ipc"
         self.last_stream_ordered = done is not None
         self.last_answer_ahead = done is not None and not done[0].query()
@@ -530,7 +537,9 @@ class ProjectedAttention:
             # stream (reading `out`, reusing q, k, v's memory) waits for it on the GPU, not here.
             stream.wait_event(done[0])
         # Otherwise kvpackd synchronised its stream before answering: `out` holds the result.
-        return out.view(b, n, h, d).to(q.dtype)
+        out = out.view(b, n, h, d).to(q.dtype)
+        self.last_split = {"before": t1 - t0, "rpc": t2 - t1, "after": time.perf_counter() - t2}
+        return out
 
     def _done_event(self, device, stream):
         """(event, IPC handle) of an event of this thread's for the daemon to record after its last

@@ -78,12 +78,13 @@ def test_steady_state_registers_nothing(cuda_client):
     n = int(os.environ.get("KVPACK_SEGMENTS_TOKENS", "32760"))
     calls = int(os.environ.get("KVPACK_SEGMENTS_CALLS", "12"))
     attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
-    regs, outside, daemon_s, wall = [], [], [], []
+    regs, outside, daemon_s, wall, splits = [], [], [], [], []
     for i in range(calls):
         q, k, v = split(fused_qkv(1, n, seed=i))   # new tensors each call, as in a DiT's blocks
         out = attend(q, k, v)
         torch.cuda.synchronize()
         assert attend.last_transport == "cuda_ipc"
+        splits.append(attend.last_split)
         regs.append(attend.last_registrations)
         outside.append(attend.last_outside_s)
         daemon_s.append(attend.last_result.seconds.total)
@@ -98,6 +99,20 @@ def test_steady_state_registers_nothing(cuda_client):
           f"max={1e3 * max(outside[steady]):.3f} daemon_ms median="
           f"{1e3 * statistics.median(daemon_s[steady]):.3f} wall/daemon="
           f"{statistics.median(wall[steady]) / statistics.median(daemon_s[steady]):.4f}")
+    # Where the time outside goes: the client's steps around the RPC, the RPC less the daemon's
+    # total (header, both gRPC stacks, the threads' wake-ups), and a bare unary call after the
+    # same idle time as the attention (the wake-ups alone: bench/frontend_overhead.py).
+    steps = {key: 1e3 * statistics.median(s[key] for s in splits[steady]) for key in splits[-1]}
+    transport = statistics.median(1e3 * (s["rpc"] - d) for s, d in zip(splits[steady], daemon_s[steady]))
+    idle = []
+    for _ in range(10):
+        time.sleep(statistics.median(daemon_s[steady]))
+        t0 = time.perf_counter()
+        cuda_client.keep_alive([])
+        idle.append(1e3 * (time.perf_counter() - t0))
+    print(f"FIGURE segments steady split_ms before={steps['before']:.3f} rpc={steps['rpc']:.3f} "
+          f"after={steps['after']:.3f} rpc_minus_daemon={transport:.3f} "
+          f"idle_unary_floor={statistics.median(idle):.3f}")
     attend.regions.forget_all()
     assert sum(regs[steady]) == 0, regs
 
