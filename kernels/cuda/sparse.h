@@ -17,11 +17,13 @@
 //                     and releases the other's unread, a page at a time), then the pooled pages as
 //                     synthetic bf16 pages, one per slice of 64 pages that either block pools, whose
 //                     rows are the stored mean keys and V sums, copied, weighted by token count in the
-//                     softmax sum. Measured slower on H3 (bench/RESULTS.md, sessions 8 and 13): one
-//                     block split over both groups (1.29x, and 1.24x with each group pipelined), each
-//                     group pipelining its own pages (+1.5-2%), and the INT8 MMA path (exact pages
-//                     -1%, with the mean keys quantized per synthetic page +16%). Elsewhere one CTA of
-//                     4 warps × 16 rows per
+//                     softmax sum. Measured slower on H3 (bench/RESULTS.md, sessions 8, 13 and 17):
+//                     one block split over both groups (1.29x, and 1.24x with each group pipelined),
+//                     each group pipelining its own pages (+1.5-2%), the INT8 MMA path (exact pages
+//                     -1%, with the mean keys quantized per synthetic page +16%), and the list
+//                     reordered so that the groups alternate (the pages both blocks route, then each
+//                     block's own in turn: +6%; not profiled — page order may keep the CTAs of a
+//                     head reading a page at about the same time, out of L2). Elsewhere one CTA of 4 warps × 16 rows per
 //                     (query block, head) (attention_sparse.cu, mma.sync, every arch): the exact pages
 //                     in ascending order (raw copy, codec decode, S = Q·Kᵀ, masks, online softmax, O +=
 //                     P·V), then the pooled pages a slice of 64 at a time as one synthetic page of mean
