@@ -11,7 +11,7 @@ namespace kvpack::cpu {
 
 std::array<double, kNumPageFormats> EstimateFromSample(const float* q, const float* k, const float* v, int64_t n,
                                                        const LayerShape& shape, const TransformOptions& transforms,
-                                                       float softmax_scale, int n_threads) {
+                                                       MmaPath mma, float softmax_scale, int n_threads) {
   std::array<double, kNumPageFormats> out{};
   if (!transforms.smooth && !transforms.balance) return out;
   TransformOptions t = transforms;
@@ -23,8 +23,11 @@ std::array<double, kNumPageFormats> EstimateFromSample(const float* q, const flo
   const KvStats full = ComputeStats(k, v, sample_shape, t);
   for (int f = 0; f < kNumPageFormats; ++f) {
     KvStats stats = full;
+    const PageFormat format = static_cast<PageFormat>(f);
+    TransformOptions tf = t;  // ChoiceTransforms for an entry of this format alone
+    if (ResolveMmaPath(mma, format == PageFormat::kBf16, d, t.rotate) == MmaPath::kInt8) tf.choose_plain_k = false;
     const TransformRecord record = ChooseTransforms(
-        n, n, sample_shape, t, softmax_scale,
+        n, n, sample_shape, tf, softmax_scale,
         [&](int64_t i, int h, float* k_row, float* v_row) {
           const int64_t at = i * hd + static_cast<int64_t>(h) * d;
           std::copy(k + at, k + at + d, k_row);
@@ -34,8 +37,8 @@ std::array<double, kNumPageFormats> EstimateFromSample(const float* q, const flo
           const int64_t at = i * hd + static_cast<int64_t>(h) * d;
           std::copy(q + at, q + at + d, q_row);
         },
-        [&](int64_t) { return static_cast<PageFormat>(f); }, &stats, n_threads);
-    out[f] = EstimatedRelError(record.head_estimates.data(), shape.n_heads, static_cast<PageFormat>(f));
+        [&](int64_t) { return format; }, &stats, n_threads);
+    out[f] = EstimatedRelError(record.head_estimates.data(), shape.n_heads, format);
   }
   return out;
 }

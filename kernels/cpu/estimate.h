@@ -10,13 +10,16 @@
 #include <cstdint>
 
 #include "kernels/layer_spec.h"
+#include "kernels/mma_path.h"
 
 namespace kvpack::cpu {
 
 // q, k, v: float [n, H, d] (after QK-norm and RoPE). Entry f: EstimatedRelError of the chosen
-// tables with every key in format f (0 when smoothing and balancing are both off: nothing runs).
+// tables with every key in format f (0 when smoothing and balancing are both off: nothing runs),
+// choosing among the candidates the layer itself would: `mma` is the layer's requested MMA path, and
+// where an entry of format f resolves it to INT8 (mma_path.h) q·k stays rotated (ChoiceTransforms).
 std::array<double, kNumPageFormats> EstimateFromSample(const float* q, const float* k, const float* v, int64_t n,
                                                        const LayerShape& shape, const TransformOptions& transforms,
-                                                       float softmax_scale, int n_threads);
+                                                       MmaPath mma, float softmax_scale, int n_threads);
 
 }  // namespace kvpack::cpu

@@ -309,7 +309,8 @@ absl::Status EstimateFromSampleProto(const v1::QkvSample& sample, LayerRequest* 
     }
   }
   const std::array<double, kNumPageFormats> e = cpu::EstimateFromSample(
-      values[0].data(), values[1].data(), values[2].data(), n, r->shape, r->transforms, r->attention.softmax_scale, 0);
+      values[0].data(), values[1].data(), values[2].data(), n, r->shape, r->transforms, r->attention.mma,
+      r->attention.softmax_scale, 0);
   r->estimate = ErrorEstimate{};
   for (int f = 0; f < kNumPageFormats; ++f) {
     r->estimate.rel_error[f] = e[f];

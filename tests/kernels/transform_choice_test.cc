@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "kernels/cpu/estimate.h"
 #include "kernels/cpu/quality.h"
 #include "kernels/cpu/stats.h"
 
@@ -190,6 +191,41 @@ TEST(TransformChoice, KeepsRowsOnTheGridPlainWhereAllowed) {
   TransformOptions unrotated = t;
   unrotated.rotate = false;  // nothing to drop
   EXPECT_EQ(choose(unrotated).flags & (kHeadPlainK | kHeadPlainV), 0u);
+}
+
+// A Plan's estimate from a sample (PlanRequest.sample) chooses among the candidates the layer would:
+// where an entry of the format runs the INT8 MMA path q·k stays rotated (ChoiceTransforms), so its
+// INT4 / INT8 estimates are those of the options without plain K; BF16 entries run bf16 MMAs.
+// Rows on INT4's grid make plain K the bf16 path's choice, so the two paths' estimates differ.
+TEST(TransformChoice, SampleEstimateFollowsTheMmaPath) {
+  constexpr int d = 64, heads = 2, n = 256;
+  const LayerShape shape{n, heads * d, heads, d};
+  std::vector<float> q(n * heads * d), k(q.size()), v(q.size());
+  for (int j = 0; j < n; ++j) {
+    for (int i = 0; i < heads * d; ++i) {
+      const int c = i % d, at = j * heads * d + i;
+      k[at] = static_cast<float>((j + c + i / d) % 16 - 8);
+      v[at] = static_cast<float>((3 * j + 5 * c) % 16 - 8);
+      q[at] = static_cast<float>((at * 37) % 11 - 5) / 16.0f;
+    }
+  }
+  const TransformOptions t;
+  TransformOptions no_plain_k = t;
+  no_plain_k.choose_plain_k = false;
+  const auto estimate = [&](const TransformOptions& o, MmaPath mma) {
+    return EstimateFromSample(q.data(), k.data(), v.data(), n, shape, o, mma, 0.0f, 1);
+  };
+  const auto int8_path = estimate(t, MmaPath::kInt8), bf16_path = estimate(t, MmaPath::kBf16);
+  const auto without_plain_k = estimate(no_plain_k, MmaPath::kBf16);
+  for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8}) {
+    const int i = static_cast<int>(f);
+    EXPECT_EQ(int8_path[i], without_plain_k[i]) << "format " << i;
+    EXPECT_GT(int8_path[i], bf16_path[i]) << "format " << i << ": plain K is the bf16 path's choice on grid rows";
+  }
+  const int b = static_cast<int>(PageFormat::kBf16);
+  EXPECT_EQ(int8_path[b], bf16_path[b]);
+  // auto resolves to INT8 only at d = 128 (mma_path.h): at d = 64 it is the bf16 path's estimate.
+  EXPECT_EQ(estimate(t, MmaPath::kAuto), bf16_path);
 }
 
 TEST(TransformChoice, WithoutQueriesKeepsTheOptionsSet) {
