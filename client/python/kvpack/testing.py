@@ -9,6 +9,8 @@ CMake target lives in server/service/; server/ is looked at too).
 Which flags: the daemon's own `--help` is read to pick the name of the listen-address flag;
 $KVPACKD_TEST_ARGS (a shell-quoted string) replaces the generated flags entirely, with {port} and
 {metrics_port} substituted.
+Which transport: loopback TCP, or with unix_socket=True (or $KVPACK_TEST_UNIX_SOCKET=1) a unix socket
+in a temporary directory — what docs/deploy.md recommends for a daemon on the caller's host.
 """
 
 import os
@@ -61,10 +63,16 @@ def _known_flags(binary):
 class LocalDaemon:
     """A kvpackd child process on loopback ports. Not thread-safe; one `with` block per object."""
 
-    def __init__(self, binary=None, budget_bytes=1 << 30, extra_args=(), start_timeout_s=30.0):
+    def __init__(self, binary=None, budget_bytes=1 << 30, extra_args=(), start_timeout_s=30.0,
+                 unix_socket=None):
         self.binary = pathlib.Path(binary) if binary else find_kvpackd()
         if self.binary is None:
             raise FileNotFoundError("no kvpackd binary (build it, or set KVPACK_BUILD_DIR or KVPACKD)")
+        if unix_socket is None:
+            unix_socket = os.environ.get("KVPACK_TEST_UNIX_SOCKET", "") not in ("", "0")
+        self._socket_dir = tempfile.TemporaryDirectory(prefix="kvpackd-") if unix_socket else None
+        self.socket_path = (os.path.join(self._socket_dir.name, "kvpackd.sock")
+                            if unix_socket else None)
         self.port = free_port()
         self.metrics_port = free_port()
         self.budget_bytes = budget_bytes
@@ -75,7 +83,15 @@ class LocalDaemon:
 
     @property
     def target(self):
+        """What a client dials: unix:///path or 127.0.0.1:port."""
+        if self.socket_path:
+            return f"unix://{self.socket_path}"
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def listen(self):
+        """The daemon's --listen address."""
+        return f"unix:{self.socket_path}" if self.socket_path else f"127.0.0.1:{self.port}"
 
     @property
     def metrics_url(self):
@@ -88,7 +104,7 @@ class LocalDaemon:
                     for a in shlex.split(override)]
         known = _known_flags(self.binary)
         address = next((f for f in _ADDRESS_FLAGS if f in known), _ADDRESS_FLAGS[0])
-        return [f"--{address}={self.target}",
+        return [f"--{address}={self.listen}",
                 f"--metrics_address=127.0.0.1:{self.metrics_port}",
                 "--backend=cpu",
                 f"--vram_budget={self.budget_bytes}"] + self.extra_args
@@ -115,7 +131,12 @@ class LocalDaemon:
     def _wait_grpc_port(self, deadline):
         while True:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                if self.socket_path:
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                        s.settimeout(1)
+                        s.connect(self.socket_path)
+                else:
+                    socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 return
             except OSError:
                 if time.monotonic() > deadline:
@@ -135,6 +156,9 @@ class LocalDaemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._socket_dir is not None:
+            self._socket_dir.cleanup()
+            self._socket_dir = None
         return False
 
     def log(self):

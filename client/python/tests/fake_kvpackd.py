@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A stand-in for kvpackd used to test kvpack.testing.LocalDaemon without the real daemon: it
-answers --help, serves a fixed /metrics page on --metrics_address and accepts TCP connections
-on the listen address. Exits on SIGTERM like the daemon."""
+answers --help, serves a fixed /metrics page on --metrics_address and accepts connections on the
+listen address (host:port, or unix:PATH). Exits on SIGTERM like the daemon."""
 
 import http.server
 import signal
@@ -18,8 +18,13 @@ def main(argv):
               "  --metrics_address=ADDR")
         return 0
     flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
-    host, port = flags["listen"].rsplit(":", 1)
-    grpc = socket.create_server((host, int(port)))
+    if flags["listen"].startswith("unix:"):
+        grpc = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        grpc.bind(flags["listen"][len("unix:"):])
+        grpc.listen()
+    else:
+        host, port = flags["listen"].rsplit(":", 1)
+        grpc = socket.create_server((host, int(port)))
     mhost, mport = flags["metrics_address"].rsplit(":", 1)
 
     class Handler(http.server.BaseHTTPRequestHandler):

@@ -35,6 +35,19 @@ def test_starts_scrapes_and_stops(monkeypatch):
     assert "fake kvpackd serving" in d.log()
 
 
+def test_unix_socket_target(monkeypatch):
+    monkeypatch.delenv("KVPACKD_TEST_ARGS", raising=False)
+    monkeypatch.setenv("KVPACK_TEST_UNIX_SOCKET", "1")
+    d = testing.LocalDaemon(binary=FAKE)
+    assert d.socket_path and d.args()[0] == f"--listen=unix:{d.socket_path}"
+    assert d.target == f"unix://{d.socket_path}", "what grpc dials"
+    with d:
+        assert os.path.exists(d.socket_path), "the daemon listens there"
+        assert "kvpack_queue_depth 0" in d.scrape()
+    assert not os.path.exists(d.socket_path), "the socket's directory is removed"
+    assert testing.LocalDaemon(binary=FAKE, unix_socket=False).target.startswith("127.0.0.1:")
+
+
 def test_args_override(monkeypatch):
     monkeypatch.setenv("KVPACKD_TEST_ARGS", "--x={port} --y='{metrics_port}'")
     d = testing.LocalDaemon(binary=FAKE)
