@@ -218,6 +218,12 @@ run_daemon() {
       "$t/test_cuda_segments.py" "$t/test_torch_sparse.py" "$t/test_comfy_model.py" >>"$LOGS/pytest.log" 2>&1
     say "pytest (kvpack.torch: CUDA IPC, segments, compile, sparse, ComfyUI) exit $?: $(tail -1 "$LOGS/pytest.log")"
     grep -h '^FIGURE' "$LOGS/pytest.log" | tee -a "$SUMMARY"
+    # The same issue-17 figures over a unix socket, the transport docs/deploy.md recommends on the
+    # caller's host (kvpack.testing.LocalDaemon with KVPACK_TEST_UNIX_SOCKET=1), labelled uds.
+    KVPACK_TEST_UNIX_SOCKET=1 PYTHONPATH=/tmp/site:$ROOT/client/python timeout 300 python3 -m pytest -q -s -rs \
+      -p no:cacheprovider "$t/test_torch_cuda_gpu.py" -k "steady_state or unary_call" >"$LOGS/pytest_uds.log" 2>&1
+    say "pytest over a unix socket exit $?"
+    grep -h '^FIGURE' "$LOGS/pytest_uds.log" | sed 's/^FIGURE /FIGURE uds /' | tee -a "$SUMMARY"
     # Where a region-only call's time goes outside the attention, streamed vs unary (issue 17);
     # shared-memory regions, so the daemon stages them: compare the two methods, not the totals.
     # The idle-floor lines split "outside the daemon" into the wake-up after the attention's idle
@@ -226,6 +232,9 @@ run_daemon() {
     PYTHONPATH=/tmp/site:$ROOT/client/python timeout 300 python3 "$ROOT/bench/frontend_overhead.py" \
       --backend=cuda --tokens=4096 --heads=12 --head_dim=128 --cpu_latency_us=0 \
       2>>"$LOGS/frontend_overhead.err" | tee -a "$SUMMARY"
+    KVPACK_TEST_UNIX_SOCKET=1 PYTHONPATH=/tmp/site:$ROOT/client/python timeout 300 python3 \
+      "$ROOT/bench/frontend_overhead.py" --backend=cuda --tokens=4096 --heads=12 --head_dim=128 \
+      2>>"$LOGS/frontend_overhead.err" | sed 's/^/uds /' | tee -a "$SUMMARY"
     # The GPU timeline around the calls (issue 17): DiT blocks with the attention through kvpackd,
     # per block against the caller's kernels alone plus the daemon's own time (FIGURE timeline).
     # TIMELINE_BASE=bin/kvpackd-OLD (a second kvpackd in the bundle): the same lines from it first,
