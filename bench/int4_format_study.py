@@ -263,9 +263,6 @@ def study(q, k, v, quantizers, queries, seed=7, balance=False):
     ref_norm = math.sqrt(sum((r * r).sum() for r in ref))
     table = {}
     for name, quant in quantizers:
-        if not isinstance(quant, tuple):
-            quant = ("rows", rotated(quant))
-        quant = quant[1]
         errs = {}
         bits = None
         stored = []
@@ -303,7 +300,9 @@ def main():
                     help="only v1, INT5 and the candidates that keep channels or directions apart")
     args = ap.parse_args()
     lm = lloyd_max_gaussian()
-    quantizers = [
+    # Every candidate maps (rows, R) to dequantized rows and bits per value; the row quantizers of the
+    # rotated rows through rotated().
+    quantizers = [(name, rotated(q)) for name, q in [
         ("v1 INT4 (row asym, fp16 lo+scale)", v1_int4),
         ("INT4 asym, groups of 64 (fp16)", grouped(asym_int(16), 64)),
         ("INT4 asym, groups of 32 (fp16)", grouped(asym_int(16), 32)),
@@ -313,14 +312,14 @@ def main():
         ("Lloyd-Max Gaussian, row RMS", codebook_rms(lm)),
         ("Lloyd-Max Gaussian, groups of 64 RMS", grouped(codebook_rms(lm), 64)),
         ("INT5 asym row (reference: 5 bits)", asym_int(32)),
-    ]
+    ]]
     apart = [
-        ("4 widest channels apart (INT8), rest v1 INT4", ("apart", channels_apart(4))),
-        ("2 widest channels apart (bf16), rest v1 INT4", ("apart", channels_apart(2, "bf16"))),
-        ("4 widest channels apart (INT8, per-channel scale), rest v1 INT4", ("apart", channels_apart(4, "int8c"))),
-        ("6 widest channels apart (INT8, per-channel scale), rest v1 INT4", ("apart", channels_apart(6, "int8c"))),
-        ("8 widest channels apart (INT8, per-channel scale), rest v1 INT4", ("apart", channels_apart(8, "int8c"))),
-        ("4 principal directions apart (INT8), rest v1 INT4", ("apart", principal_apart(4))),
+        ("4 widest channels apart (INT8), rest v1 INT4", channels_apart(4)),
+        ("2 widest channels apart (bf16), rest v1 INT4", channels_apart(2, "bf16")),
+        ("4 widest channels apart (INT8, per-channel scale), rest v1 INT4", channels_apart(4, "int8c")),
+        ("6 widest channels apart (INT8, per-channel scale), rest v1 INT4", channels_apart(6, "int8c")),
+        ("8 widest channels apart (INT8, per-channel scale), rest v1 INT4", channels_apart(8, "int8c")),
+        ("4 principal directions apart (INT8), rest v1 INT4", principal_apart(4)),
     ]
     if args.apart:
         quantizers = [quantizers[0], quantizers[-1]] + apart
