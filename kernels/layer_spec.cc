@@ -310,10 +310,14 @@ MmaPath ConfigMmaPath(const LayerConfig& config) {
   return ResolveMmaPath(config.attention.mma, has_bf16, config.shape.head_dim, config.transforms.rotate);
 }
 
-TransformOptions ChoiceTransforms(const LayerConfig& config) {
-  TransformOptions t = config.transforms;
-  if (ConfigMmaPath(config) == MmaPath::kInt8) t.choose_plain_k = false;
+TransformOptions ChoiceTransforms(const TransformOptions& transforms, MmaPath resolved) {
+  TransformOptions t = transforms;
+  if (resolved == MmaPath::kInt8) t.choose_plain_k = false;
   return t;
+}
+
+TransformOptions ChoiceTransforms(const LayerConfig& config) {
+  return ChoiceTransforms(config.transforms, ConfigMmaPath(config));
 }
 
 }  // namespace kvpack

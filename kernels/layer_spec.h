@@ -283,8 +283,10 @@ KvEntryView MakeKvView(const KvLayout& layout, const LayerShape& shape, const ui
 // whose kernels and reference have the bf16 path only.
 MmaPath ConfigMmaPath(const LayerConfig& config);
 
-// The transforms the per-head choice runs with: config.transforms, with choose_plain_k off where the
-// layer takes the INT8 MMA path (ConfigMmaPath).
+// The transforms the per-head choice runs with: `transforms`, with choose_plain_k off where the
+// attention takes the INT8 MMA path (`resolved`, ResolveMmaPath), whose per-row q quantization needs R.
+TransformOptions ChoiceTransforms(const TransformOptions& transforms, MmaPath resolved);
+// The same for a layer: its transforms and ConfigMmaPath.
 TransformOptions ChoiceTransforms(const LayerConfig& config);
 
 // Pages of the token layout: each range split into ceil(len/64) pages, the last one partial.

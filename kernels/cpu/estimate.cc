@@ -24,10 +24,9 @@ std::array<double, kNumPageFormats> EstimateFromSample(const float* q, const flo
   for (int f = 0; f < kNumPageFormats; ++f) {
     KvStats stats = full;
     const PageFormat format = static_cast<PageFormat>(f);
-    TransformOptions tf = t;  // ChoiceTransforms for an entry of this format alone
-    if (ResolveMmaPath(mma, format == PageFormat::kBf16, d, t.rotate) == MmaPath::kInt8) tf.choose_plain_k = false;
-    const TransformRecord record = ChooseTransforms(
-        n, n, sample_shape, tf, softmax_scale,
+    const TransformRecord record = ChooseTransforms(  // as an entry of this format alone would choose
+        n, n, sample_shape, ChoiceTransforms(t, ResolveMmaPath(mma, format == PageFormat::kBf16, d, t.rotate)),
+        softmax_scale,
         [&](int64_t i, int h, float* k_row, float* v_row) {
           const int64_t at = i * hd + static_cast<int64_t>(h) * d;
           std::copy(k + at, k + at + d, k_row);

@@ -253,10 +253,9 @@ Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float
   if (transforms.smooth || transforms.balance) {
     const int64_t hd = shape.HeadCols();
     const int64_t s = StatsSampleCount(n_k, transforms);
-    LayerConfig config;  // for the choice's view of the MMA path (ChoiceTransforms)
-    config.shape = shape, config.ranges = ranges, config.transforms = transforms, config.attention = attention;
+    const MmaPath mma = ResolveMmaPath(attention.mma, format == PageFormat::kBf16, head_dim, transforms.rotate);
     chosen = ChooseTransforms(
-        s, n_q, shape, ChoiceTransforms(config), attention.softmax_scale,
+        s, n_q, shape, ChoiceTransforms(transforms, mma), attention.softmax_scale,
         [&](int64_t i, int h, float* k_row, float* v_row) {
           const int64_t at = StatsSampleToken(i, n_k, s) * hd + static_cast<int64_t>(h) * head_dim;
           std::copy(k + at, k + at + head_dim, k_row);
