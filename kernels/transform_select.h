@@ -7,8 +7,6 @@
 // choice and report the same estimates, bit for bit.
 #pragma once
 
-
-
 #include <cstdint>
 
 #include "kernels/format.h"
@@ -172,6 +170,10 @@ KVPACK_HD inline ChoiceCandidate FixedCandidate(const TransformOptions& t) {
   return fixed;
 }
 
+// Whether the choice may store q and k (V) without R: a rotated entry whose options allow it.
+KVPACK_HD inline bool MayPlainK(const TransformOptions& t) { return t.rotate && t.choose_plain_k; }
+KVPACK_HD inline bool MayPlainV(const TransformOptions& t) { return t.rotate && t.choose_plain_v; }
+
 // The decision, given an evaluator with
 //   ErrorSums KOnly(const ChoiceCandidate&)       the candidate's K side, exact V
 //   ErrorSums VOnly(const ChoiceCandidate&)       exact probabilities, the candidate's V side
@@ -182,11 +184,6 @@ KVPACK_HD inline ChoiceCandidate FixedCandidate(const TransformOptions& t) {
 // set against naive and the best pair against the one kept: a set must beat naive by kNaiveMargin,
 // and the pair the options' set by kChoiceMargin. Writes the kept set to *kept.
 // REQUIRES: t.choose_per_head.
-//
-// Whether the choice may store q and k (V) without R: a rotated entry whose options allow it.
-KVPACK_HD inline bool MayPlainK(const TransformOptions& t) { return t.rotate && t.choose_plain_k; }
-KVPACK_HD inline bool MayPlainV(const TransformOptions& t) { return t.rotate && t.choose_plain_v; }
-
 template <class Eval>
 KVPACK_HD HeadChoice SelectHeadTransforms(Eval& est, const TransformOptions& t, ChoiceCandidate* kept) {
   HeadChoice choice;
