@@ -84,8 +84,8 @@ struct TransformOptions {
   bool choose_plain_v = true;
 };
 
-// Block-sparse attention over the packed pages (cpu/sparse_attention.h): per (query block of 64,
-// head) some key pages are attended exactly, every other visible page contributes one pooled term.
+// Block-sparse attention over the packed pages (cpu/sparse_attention.h): per (query block — the ≤ 128
+// queries of a page pair —, head) some key pages are attended exactly, every other visible page contributes one pooled term.
 enum class SparseMode : uint8_t {
   kTopK = 0,    // ceil(topk_ratio · visible pages), at least 1, by centroid · mean-key score
   kRelTau = 1,  // pages whose score ≥ row max − rel_tau · std of the row's scores

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "kernels/visibility.h"
+
 namespace kvpack {
 
 int64_t SparsePageCount(const LayerConfig& config) {
@@ -17,14 +19,17 @@ int64_t SparseQueryRows(const LayerConfig& config) {
 int64_t SparseBlocksPerChunk(const LayerConfig& config) {
   const int64_t rows = SparseQueryRows(config);
   return std::min<int64_t>(SparsePageCount(config),
-                           (rows + kSparseQueryBlock - 1) / kSparseQueryBlock + static_cast<int64_t>(config.ranges.size()));
+                           (rows + kPageTokens - 1) / kPageTokens + static_cast<int64_t>(config.ranges.size()));
 }
 
-int64_t SparseChunkEnd(const LayerConfig& config, const std::vector<PageDesc>& pages, int64_t begin) {
+int64_t SparseChunkEnd(const LayerConfig& config, const PageDesc* pages, int n_pages, int64_t begin) {
   const int64_t last = std::min(begin + config.query_chunk, config.shape.n_tokens) - 1;
-  auto it = std::upper_bound(pages.begin(), pages.end(), last,
-                             [](int64_t t, const PageDesc& page) { return t < static_cast<int64_t>(page.token_begin); });
+  const PageDesc* it = std::upper_bound(pages, pages + n_pages, last, [](int64_t t, const PageDesc& page) {
+    return t < static_cast<int64_t>(page.token_begin);
+  });
   --it;  // pages tile [0, N) in ascending token_begin, so the page holding `last` precedes it
+  const int at = static_cast<int>(it - pages);
+  if (PairsWithNext(pages, n_pages, at)) ++it;  // the block's partner page
   return static_cast<int64_t>(it->token_begin) + it->n_valid;
 }
 

@@ -49,6 +49,22 @@ struct Visibility {
   }
 };
 
+// Query blocks of the routed policy pair key pages: page p (of an entry's page array, entry order) leads
+// a block unless it is the partner of p − 1; an even page pairs with the next when both belong to one
+// range (so to one sequence). A block of the layer is the queries of its one or two pages (≤ 128), and
+// shares one routing: on the wgmma GPUs both consumer groups of a CTA then walk one page list.
+KVPACK_HD inline bool PairsWithNext(const PageDesc* pages, int n_pages, int p) {
+  return (p & 1) == 0 && p + 1 < n_pages && pages[p + 1].range_index == pages[p].range_index &&
+         pages[p + 1].seq_id == pages[p].seq_id;
+}
+KVPACK_HD inline bool LeadsQueryBlock(const PageDesc* pages, int n_pages, int p) {
+  return p == 0 || !PairsWithNext(pages, n_pages, p - 1);
+}
+// The pages of the block led by p: 1 or 2.
+KVPACK_HD inline int QueryBlockPages(const PageDesc* pages, int n_pages, int p) {
+  return PairsWithNext(pages, n_pages, p) ? 2 : 1;
+}
+
 // One (query block, head)'s routing: pages attended exactly and pages pooled, each ascending.
 struct RoutedPages {
   const int32_t* exact = nullptr;

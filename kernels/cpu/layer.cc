@@ -295,7 +295,7 @@ Error AttendLayer(const LayerConfig& config, const LayerTensors& tensors, const 
   }
   for (int64_t begin = 0, end = 0; begin < n; begin = end) {
     if (Error e = PassGate(gate, "attention"); !e.ok()) return e;
-    end = sparse ? SparseChunkEnd(config, kv, begin) : std::min(begin + config.query_chunk, n);
+    end = sparse ? SparseChunkEnd(config, kv.pages, kv.n_pages, begin) : std::min(begin + config.query_chunk, n);
     const int64_t rows = end - begin;
     // Q of the chunk, from x rows [begin, begin + rows) — read before any of them is overwritten.
     ParallelFor(threads, rows, [&](int64_t r) {

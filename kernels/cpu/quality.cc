@@ -275,7 +275,7 @@ Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float
   queries.n_q = n_q;
   std::vector<int64_t> last(static_cast<size_t>(n_q), n_k - 1);  // positions only matter when causal
   if (attention.sparse.enabled && n_q == n_k) {
-    for (int64_t i = 0; i < n_q; ++i) last[i] = i;  // self-attention: a query block is a page
+    for (int64_t i = 0; i < n_q; ++i) last[i] = i;  // self-attention: the query blocks are the layer's
   }
   queries.positions = last.data();
   if (bits_per_value != nullptr) {

@@ -92,8 +92,8 @@ QualityResult CompareOutputs(const double* reference, const float* out, int64_t 
 // writes out [n_q, H, d], the stored bits per value in *bits_per_value and the entry's per-head
 // flags and estimates in *record (either may be null). With attention.sparse the block-sparse path
 // runs (sparse_attention.h) and adds its tallies to *sparse_report (may be null); its query blocks
-// are the pages of the queries' positions: query i at position i when n_q == n_k (self-attention),
-// otherwise every query at n_k − 1 (blocks of 64 consecutive queries).
+// follow the pages of the queries' positions: query i at position i when n_q == n_k (self-attention,
+// the layer's blocks), otherwise every query at n_k − 1 (blocks of 128 consecutive queries).
 Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float* v, int64_t n_k, int n_heads,
                         int head_dim, PageFormat format, const TransformOptions& transforms,
                         const AttentionOptions& attention, const CpuOptions& options, float* out,

@@ -71,10 +71,13 @@ int64_t QueryBlockEnd(const KvEntryView& kv, const int32_t* seq_ids, const int64
                       int64_t first) {
   auto seq = [&](int64_t i) { return seq_ids ? seq_ids[i] : 0; };
   auto pos = [&](int64_t i) { return positions ? positions[i] : i; };
+  // The block's pages: the one holding the first query, and its partner when it leads a pair.
   const int page = PageHolding(kv, seq(first), pos(first));
+  const int partner = page >= 0 && PairsWithNext(kv.pages, kv.n_pages, page) ? page + 1 : -2;
   int64_t end = first + 1;
-  while (end < n_q && end - first < kQueryBlock && seq(end) == seq(first) &&
-         PageHolding(kv, seq(end), pos(end)) == page) {
+  while (end < n_q && end - first < kQueryBlock && seq(end) == seq(first)) {
+    const int at = PageHolding(kv, seq(end), pos(end));
+    if (at != page && at != partner) break;
     ++end;
   }
   return end;

@@ -16,9 +16,13 @@
 // so the choice matters only for a range's last, partial page, where the mma.sync kernel's value
 // bf16(v_sum / n) rounds twice.
 //
-// Query blocks: consecutive queries, cut at 64, where the sequence id changes and where the key page
-// holding the query's position changes — in the layer (query t at position t) a block is exactly the
-// queries of one page. Per (block, head):
+// Query blocks: consecutive queries, cut at 128, where the sequence id changes and where the key page
+// holding the query's position leaves the block's pages — the page holding its first query and, when
+// that page leads a pair (visibility.h PairsWithNext: an even page and the next, of one range), its
+// partner. In the layer (query t at position t) a block is exactly the queries of a page pair, or of
+// one page where a range starts on an odd page or ends on an even one. (One routing per 128 queries
+// rather than per 64: bench/query_block_study.py measured its error within ±2% at top-k 10–20%, and
+// the wgmma kernel's two consumer groups then share one page list.) Per (block, head):
 //   centroid c = mean of the block's stored queries q̂ (double, rounded to float)
 //   score s_p  = scale · c · mean_k[p] (double dot over the bf16 mean key, rounded) for every page p
 //                the block sees (Visibility::PageVisibleToRun with the block's last position)
@@ -46,11 +50,12 @@
 #include "kernels/cpu/layer.h"
 #include "kernels/cpu/pack.h"
 #include "kernels/layer_spec.h"
+#include "kernels/sparse_plan.h"
 #include "kernels/visibility.h"
 
 namespace kvpack::cpu {
 
-inline constexpr int kQueryBlock = kPageTokens;
+inline constexpr int kQueryBlock = kSparseQueryBlock;  // the queries of a page pair
 
 // Bytes of the page statistics of an entry (mean_k and v_sum, bf16 [H, P, d] each).
 uint64_t PageStatsBytes(int n_heads, int head_dim, int n_pages);

@@ -34,9 +34,11 @@ double RoutedFractionBound(const LayerConfig& config) {
   for (const TokenRange& r : config.ranges) {
     if (r.always_attend || r.attend_densely) return 1.0;
   }
-  // Per block (a page of queries) the pages it sees, V_b: its sequence's pages (causal: those up to
-  // its own). Exact ≤ min(V_b, max(ceil(r·V_b) + 3 diagonal + sinks, floor)).
+  // Per block (the queries of its 1 or 2 pages, b of them) the pages it sees, V: its sequence's pages
+  // (causal: those up to its last). Exact ≤ min(V, max(ceil(r·V) + b + 2 (the block's pages ±1) + sinks,
+  // floor)).
   const std::vector<PageDesc> pages = BuildPageLayout(config.ranges);
+  const int n_pages = static_cast<int>(pages.size());
   std::vector<std::pair<int32_t, int64_t>> seen;  // (sequence id, pages so far); few sequences
   auto count_of = [&](int32_t seq) -> int64_t& {
     for (auto& e : seen) {
@@ -49,28 +51,23 @@ double RoutedFractionBound(const LayerConfig& config) {
   std::vector<std::pair<int32_t, int64_t>> totals = seen;
   for (auto& e : seen) e.second = 0;
   double exact = 0.0, visible = 0.0;
-  for (const PageDesc& p : pages) {
+  for (int i = 0; i < n_pages; ++i) {
+    const PageDesc& p = pages[i];
     int64_t& so_far = count_of(p.seq_id);
     ++so_far;
-    int64_t v = so_far;
+    if (!LeadsQueryBlock(pages.data(), n_pages, i)) continue;
+    const int b = QueryBlockPages(pages.data(), n_pages, i);
+    int64_t v = so_far + (b - 1);
     if (!config.attention.causal) {
       for (const auto& e : totals) {
         if (e.first == p.seq_id) v = e.second;
       }
     }
     const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(static_cast<double>(s.topk_ratio) * v - 1e-6)));
-    exact += static_cast<double>(std::min<int64_t>(v, std::max<int64_t>(k + 3 + s.sink_pages, s.min_exact_pages)));
+    exact += static_cast<double>(std::min<int64_t>(v, std::max<int64_t>(k + b + 2 + s.sink_pages, s.min_exact_pages)));
     visible += static_cast<double>(v);
   }
   return visible > 0.0 ? exact / visible : 1.0;
-}
-
-int64_t SparseChunkEnd(const LayerConfig& config, const KvEntryView& kv, int64_t begin) {
-  const int64_t last = std::min(begin + config.query_chunk, config.shape.n_tokens) - 1;
-  const TokenPageMap map(config.ranges);
-  int page, slot;
-  map.Locate(last, &page, &slot);
-  return static_cast<int64_t>(kv.pages[page].token_begin) + kv.pages[page].n_valid;
 }
 
 void AttendChunkSparse(const LayerConfig& config, const KvEntryView& kv, const uint16_t* q_ws, int64_t begin,
@@ -91,19 +88,24 @@ void AttendChunkSparse(const LayerConfig& config, const KvEntryView& kv, const u
   uint8_t* routes = routing + Align8(PageStatsBytes(heads, d, P));
   const uint64_t item_bytes = RouteItemBytes(P);
   const std::vector<uint8_t> flags = RangeFlags(config.ranges);
+  // Items are (page slot, head); a slot whose page is the partner of the one before it has no block
+  // (its report stays zero).
   ParallelFor(threads, n_blocks * heads, [&](int64_t item) {
-    const PageDesc& page = kv.pages[first_page + item / heads];
+    const int lead = first_page + static_cast<int>(item / heads);
     const int h = static_cast<int>(item % heads);
-    const int n = page.n_valid;
-    const int64_t t0 = page.token_begin;
     uint8_t* mem = routes + item * item_bytes;
+    SparseReport* item_report = reinterpret_cast<SparseReport*>(mem + item_bytes - sizeof(SparseReport));
+    *item_report = SparseReport{};
+    if (!LeadsQueryBlock(kv.pages, P, lead)) return;
+    const PageDesc& page = kv.pages[lead];
+    const int64_t t0 = page.token_begin;  // the block's tokens are contiguous: its pages' valid slots
+    int n = page.n_valid;
+    if (QueryBlockPages(kv.pages, P, lead) == 2) n += kv.pages[lead + 1].n_valid;
     int32_t* exact = reinterpret_cast<int32_t*>(mem);
     int32_t* pooled = exact + P;
     float* scores = reinterpret_cast<float*>(pooled + P);
     int32_t* order = reinterpret_cast<int32_t*>(scores + P);
     uint8_t* mark = reinterpret_cast<uint8_t*>(order + P);
-    SparseReport* item_report = reinterpret_cast<SparseReport*>(mem + item_bytes - sizeof(SparseReport));
-    *item_report = SparseReport{};
     // The block's stored queries (bf16 in the workspace) and their mean.
     float q[kQueryBlock * kMaxHeadDimCpu];
     int32_t seq[kQueryBlock];

@@ -3,11 +3,13 @@
 //
 // Workspace with sparse on, after the queries' region (layer.h) — RoutingBytes in all:
 //   page statistics   bf16 [H, P, d] mean_k, then v_sum             PageStatsBytes (4·d per page·head)
-//   routes            per (query block of the chunk, head): exact and pooled page lists int32[P]
-//                     each, scores float[P], order int32[P], marks uint8[P], a SparseReport
+//   routes            per (page slot of the chunk, head): exact and pooled page lists int32[P]
+//                     each, scores float[P], order int32[P], marks uint8[P], a SparseReport — used
+//                     by the slots whose page leads a query block (visibility.h LeadsQueryBlock)
 // The routes region is bounded by the query chunk: a chunk holds at most
-// min(P, ceil((Tq + 63)/64) + ranges) blocks. Query chunks end on page ends (a block is one page
-// of queries, whose centroid needs all of them), so a chunk has up to Tq + 63 rows.
+// min(P, ceil((Tq + 127)/64) + ranges) page slots. Query chunks end on block ends (a block is the
+// queries of a page pair, whose centroid needs all of them: sparse_plan.h), so a chunk has up to
+// Tq + 127 rows.
 // The statistics are computed from the pages when AttendLayer starts (one read of K and V); the
 // GPU's projection epilogue would write the same values in its pass (they are functions of the
 // decoded rows only).
@@ -24,13 +26,9 @@ namespace kvpack::cpu {
 // Bytes of the statistics and routes regions (0 with sparse off).
 uint64_t RoutingBytes(const LayerConfig& config);
 // Upper bound on the routed fraction (SparseReport) of the layer, from the options and the ranges
-// alone: per block min(V, max(ceil(topk_ratio·V) + 3 + sink_pages, min_exact_pages)) over V, the
-// pages it sees (1 with rel_tau, always-attend or dense ranges, which the options cannot bound).
+// alone: per block of b pages min(V, max(ceil(topk_ratio·V) + b + 2 + sink_pages, min_exact_pages))
+// over V, the pages it sees (1 with rel_tau, always-attend or dense ranges, which the options cannot bound).
 double RoutedFractionBound(const LayerConfig& config);
-
-// End of the query chunk that starts at `begin` (a page start): the end of the page holding token
-// min(begin + Tq, N) − 1.
-int64_t SparseChunkEnd(const LayerConfig& config, const KvEntryView& kv, int64_t begin);
 
 // Attends rows [begin, end) whose stored bf16 queries are in q_ws ([end − begin, H·d]); writes
 // tensors.out rows (bf16). `routing` is the workspace region RoutingBytes long whose statistics were

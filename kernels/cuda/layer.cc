@@ -299,7 +299,7 @@ Error AttendSparse(const LayerConfig& c, const LayerTensors& t, const KvEntryVie
   int first_page = 0;
   for (int64_t begin = 0; begin < n;) {
     KVPACK_RETURN_IF_ERROR(PassGate(gate));
-    const int64_t end = SparseChunkEnd(c, pages, begin);
+    const int64_t end = SparseChunkEnd(c, pages.data(), static_cast<int>(pages.size()), begin);
     KVPACK_RETURN_IF_ERROR(ProjectQueries(c, t, begin, end - begin, q, p, gemm, clock, ctx));
     int last_page = first_page;
     while (last_page < static_cast<int>(pages.size()) && pages[last_page].token_begin < end) ++last_page;

@@ -18,9 +18,11 @@ namespace kvpack::cpu {
 namespace {
 
 // Top-k 20% + tail vs dense packed attention on the locality data below (8×16×16 grid + 64 text
-// tokens, 2 heads, d = 64, INT4; 33 pages, routed fraction 0.246 with the diagonal). Measured
-// (printed by the test): cos 0.9978 / rel L2 0.076, QK-normalised cos 0.9946 / rel L2 0.100; the
-// bounds leave 1.5× margin on the worse error.
+// tokens, 2 heads, d = 64, INT4; 33 pages, routed fraction 0.255 with the diagonal). Measured
+// (printed by the test): cos 0.9965 / rel L2 0.093, QK-normalised cos 0.9933 / rel L2 0.113 (with one
+// routing per 64 queries, before session 18: 0.9978 / 0.076 and 0.9946 / 0.100 — on 33 pages a 128-query
+// block's centroid is coarse; on 66 pages of d = 128, docs/quality.md, the two are within ±3% at 10–20%);
+// the bounds leave 1.3× margin on the worse error.
 constexpr double kLocalityTop20MinCosine = 0.99;
 constexpr double kLocalityTop20MaxRelL2 = 0.15;
 constexpr int kThreads = 2;
@@ -178,10 +180,15 @@ TEST(SparseAttention, PageStatsAreTheBf16RoundingOfTheFloatMeanAndSum) {
   EXPECT_GT(inexact, 0) << "the means are rounded (not already bf16 values)";
 }
 
-// Routes of every (block, head) of an entry whose queries are its own tokens (a block = a page).
+// Routes of every (block, head) of an entry whose queries are its own tokens (a block = the queries of
+// a page pair, or of one page: LeadsQueryBlock).
 struct Route {
   std::vector<int32_t> exact, pooled;
   int visible = 0;
+  int block_pages = 1;
+  int64_t token_begin = 0;  // the block's queries: tokens token_begin … + rows − 1 of head `head`
+  int rows = 0;
+  int head = 0;
 };
 std::vector<Route> RouteAll(const Entry& e, const SyntheticData& data, const AttentionOptions& attention) {
   const KvEntryView kv = e.View();
@@ -194,18 +201,21 @@ std::vector<Route> RouteAll(const Entry& e, const SyntheticData& data, const Att
   std::vector<int32_t> order(P), exact(P), pooled(P);
   std::vector<uint8_t> mark(P);
   for (int pg = 0; pg < P; ++pg) {
+    if (!LeadsQueryBlock(kv.pages, P, pg)) continue;
+    const int block_pages = QueryBlockPages(kv.pages, P, pg);
+    const PageDesc& page = kv.pages[pg];
+    const int n = page.n_valid + (block_pages == 2 ? kv.pages[pg + 1].n_valid : 0);
     for (int h = 0; h < kv.n_heads; ++h) {
-      const PageDesc& page = kv.pages[pg];
       std::vector<float> stored(static_cast<size_t>(kQueryBlock) * d), centroid(d);
-      StoredBlockQueries(kv, h, data.q.data(), page.token_begin, page.n_valid, stored.data(), centroid.data());
+      StoredBlockQueries(kv, h, data.q.data(), page.token_begin, n, stored.data(), centroid.data());
       SparseReport report;
       int n_exact = 0, n_pooled = 0;
       RoutePages(kv, PageStatsView{mean_k.data(), v_sum.data()}, h, centroid.data(), page.seq_id, page.token_begin,
-                 page.token_begin + page.n_valid - 1, attention, EffectiveScale(attention, d), flags,
+                 page.token_begin + n - 1, attention, EffectiveScale(attention, d), flags,
                  RouteScratch{scores.data(), order.data(), mark.data()}, exact.data(), &n_exact, pooled.data(),
                  &n_pooled, &report);
       routes.push_back({{exact.begin(), exact.begin() + n_exact}, {pooled.begin(), pooled.begin() + n_pooled},
-                        static_cast<int>(report.visible_pages)});
+                        static_cast<int>(report.visible_pages), block_pages, page.token_begin, n, h});
     }
   }
   return routes;
@@ -219,9 +229,9 @@ TEST(SparseAttention, RoutesTheAskedFractionAndTheFloor) {
   for (float ratio : {0.1f, 0.2f, 0.5f}) {
     for (const Route& r : RouteAll(e, data, TopK(ratio))) {
       const int k = static_cast<int>(std::ceil(ratio * r.visible - 1e-6));
-      // top-k ∪ diagonal ±1 (at most 3 pages more).
+      // top-k ∪ the block's pages ±1 (at most block_pages + 2 pages more).
       EXPECT_GE(static_cast<int>(r.exact.size()), k);
-      EXPECT_LE(static_cast<int>(r.exact.size()), k + 3);
+      EXPECT_LE(static_cast<int>(r.exact.size()), k + r.block_pages + 2);
       EXPECT_EQ(r.exact.size() + r.pooled.size(), static_cast<size_t>(r.visible));
       EXPECT_TRUE(std::is_sorted(r.exact.begin(), r.exact.end()));
     }
@@ -283,19 +293,15 @@ TEST(SparseAttention, AlwaysAttendPagesAreExactAndDenseRangesMatchDense) {
     const std::vector<Route> routes = RouteAll(e, data, attention);
 
     int pooled_blocks = 0;
-    for (int pg = 0; pg < e.View().n_pages; ++pg) {
-      for (int h = 0; h < o.n_heads; ++h) {
-        const Route& r = routes[pg * o.n_heads + h];
-        if (!std::binary_search(r.pooled.begin(), r.pooled.end(), 7)) continue;
-        ++pooled_blocks;
-        const PageDesc& page = e.View().pages[pg];
-        for (int j = 0; j < page.n_valid; ++j) {
-          const int64_t off = (page.token_begin + j) * hd + static_cast<int64_t>(h) * o.head_dim;
-          ASSERT_EQ(0, memcmp(out.data() + off, base.data() + off, o.head_dim * sizeof(float))) << "page " << pg;
-        }
+    for (const Route& r : routes) {
+      if (!std::binary_search(r.pooled.begin(), r.pooled.end(), 7)) continue;
+      ++pooled_blocks;
+      for (int j = 0; j < r.rows; ++j) {
+        const int64_t off = (r.token_begin + j) * hd + static_cast<int64_t>(r.head) * o.head_dim;
+        ASSERT_EQ(0, memcmp(out.data() + off, base.data() + off, o.head_dim * sizeof(float))) << "token " << r.token_begin + j;
       }
     }
-    EXPECT_GT(pooled_blocks, 10);
+    EXPECT_GT(pooled_blocks, 5);
   }
 }
 
@@ -364,7 +370,7 @@ TEST(SparseAttention, WithoutLocalityReportsTheFractionAndKeepsTheFloor) {
   QualityResult r = Compare(dense, Sparse(e, q.block, a, &report), n, o.n_heads, o.head_dim);
   printf("iid topk 0.2: routed %.3f cos %.4f rel_l2 %.4f\n", report.RoutedFraction(), r.cosine, r.rel_l2);
   EXPECT_GT(report.RoutedFraction(), 0.2);
-  EXPECT_LT(report.RoutedFraction(), 0.2 + 3.0 / 33 + 0.01);
+  EXPECT_LT(report.RoutedFraction(), 0.2 + 4.0 / 33 + 0.01);  // top-k ∪ a block's 2 pages ±1
   a.sparse.min_exact_pages = 20;
   SparseReport floor_report;
   const QualityResult rf = Compare(dense, Sparse(e, q.block, a, &floor_report), n, o.n_heads, o.head_dim);

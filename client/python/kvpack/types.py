@@ -56,8 +56,8 @@ MAX_MIN_EXACT_PAGES = 1 << 20     # kMaxMinExactPages
 
 @dataclasses.dataclass(frozen=True)
 class Sparse:
-    """Block-sparse attention (docs/api.md "Sparse attention"): per query block of 64 tokens and
-    head, the best key pages by centroid · mean-key score are attended exactly, the other visible
+    """Block-sparse attention (docs/api.md "Sparse attention"): per query block (the ≤ 128 tokens of
+    a page pair) and head, the best key pages by centroid · mean-key score are attended exactly, the other visible
     pages as one pooled term each. Give topk_ratio in (0, 1] or rel_tau ≥ 0 (neither: top-k 0.2).
     Runs on the daemon's CPU backend; LayerResult.routed_fraction reports what it routed."""
     topk_ratio: Optional[float] = None
