@@ -59,8 +59,9 @@ struct AttentionParams {
   // m16n8k32) REQUIRES that no page is BF16 (the caller's check: ResolveMmaPath).
   MmaPath mma = MmaPath::kBf16;
   // Block-sparse launches (sparse.h) only: the routing of the chunk's query blocks. A routed launch
-  // takes query block b = the queries of page first_page + b (n_blocks of them) instead of n_q rows
-  // from q_token_begin, attends its exact pages and pools the rest (bf16 MMAs).
+  // takes page slots b = pages first_page + b (n_blocks of them; first_page leads a query block,
+  // visibility.h LeadsQueryBlock) instead of n_q rows from q_token_begin; a block's routing sits in its
+  // first page's slot. It attends the exact pages and pools the rest (bf16 MMAs).
   struct Route {
     uint32_t* exact_bits = nullptr;   // [n_blocks, H, words] exact pages of each (block, head)
     uint32_t* pooled_bits = nullptr;  // [n_blocks, H, words] pooled pages (both written by the routing)

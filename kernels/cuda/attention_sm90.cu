@@ -67,13 +67,15 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
   const int64_t t0 = p.q_token_begin + q0;  // its token index (= position)
   const int n_pages = p.kv.n_pages;
 
-  if constexpr (kRouted) {  // consumer group c: query block 2·blockIdx.x + c, its rows from its first query
+  if constexpr (kRouted) {  // consumer group c: page c of the slot's block, its rows from its first query
+    const int lead = p.route.first_page + blockIdx.x;
+    if (!LeadsQueryBlock(p.kv.pages, n_pages, lead)) return;  // a partner page's slot: uniform, before any barrier
     if (tid < 2) {
-      const int b = 2 * blockIdx.x + tid;
-      const PageDesc block = b < p.route.n_blocks ? p.kv.pages[p.route.first_page + b] : PageDesc{};
-      routed.t0[tid] = block.token_begin;
-      routed.q0[tid] = block.token_begin - p.q_token_begin;
-      routed.rows[tid] = b < p.route.n_blocks ? block.n_valid : 0;
+      const bool has = tid < QueryBlockPages(p.kv.pages, n_pages, lead);
+      const PageDesc page = has ? p.kv.pages[lead + tid] : PageDesc{};
+      routed.t0[tid] = page.token_begin;
+      routed.q0[tid] = page.token_begin - p.q_token_begin;
+      routed.rows[tid] = has ? page.n_valid : 0;
     }
     CountPooledSlices(p, head, routed.n_synthetic);  // its barriers publish the blocks' rows too
     for (int u = tid; u < kTileQueries * kUnitsPerRow; u += T::kThreads) {
@@ -150,10 +152,10 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           const int st = j % n_raw;
           IssuePageCopy<kDim>(p.kv.pool, source, raw + st * stage_bytes, p.max_page_bytes, SmemAddr(&raw_full[st]));
           raw_desc[st] = source.desc;
-          if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + VisibleOffset<kRouted>(scratch.visible[j + 1]));
+          if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + scratch.visible[j + 1]);
         };
         if (tid == 0) {
-          source = FetchPageSource(p, head, w0 + VisibleOffset<kRouted>(scratch.visible[0]));
+          source = FetchPageSource(p, head, w0 + scratch.visible[0]);
           for (int j = 0; j < n_raw - 1 && j < n_visible; ++j) issue(j);
         }
         for (int i = 0; i < n_visible; ++i) {
@@ -222,7 +224,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
     q_sum[r] = sum + __shfl_xor_sync(kFullMask, sum, 2);
   }
   uint32_t full_phase = 0;  // bit s: the parity of tile_full[s]'s next completion
-  // The routed instance: this group's block (its first token; its rows start at row_base's group).
+  // The routed instance: this group's page of the block (its first token; its rows start at row_base's group).
   int64_t group_t0 = 0;
   if constexpr (kRouted) group_t0 = routed.t0[consumer];
   const int n_end = kRouted ? n_pages + T::kWindow : n_pages;
@@ -296,7 +298,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           const int row_in_group = warp_in_group * 16 + g;
           if (page.reserved & kSyntheticPage) {
             weighted = true;
-            const unsigned long long member = routed.member[i % T::kStages][consumer];
+            const unsigned long long member = routed.member[i % T::kStages];
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
 #pragma unroll
@@ -395,36 +397,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         }
       };
 
-      if constexpr (kRouted) {
-        // Routed: each group walks the window's list in order but computes only its own pages (an exact
-        // page the other block routes is released unread: in the union of two blocks' pages it would be
-        // masked whole, ~45% of the MMAs on inputs without locality). A group's page is done — its S,
-        // softmax and P·V waited for — before it moves on, so it holds one stage at a time and its
-        // arrivals on the empty barriers come in page order, whatever the gap to its next page; the
-        // two groups' MMAs and softmaxes interleave on the SM as their warps are ready (alternatives
-        // measured slower, a pipelined group among them: sparse.h).
-        const bool all_mine = w0 >= n_pages;  // the pooled pass: both groups take every synthetic page
-        auto mine = [&](int i) { return all_mine || (scratch.visible[i] >> (kRoutedOffsetBits + consumer) & 1u); };
-        SAcc (&sc)[8][4] = s_cur;
-        for (int i = 0;; ++i) {
-          for (; i < n_visible && !mine(i); ++i) wait_full(i), release(i);  // the other group's page
-          if (i >= n_visible) break;
-          float corr[2];
-          float4 keys[8];
-          issue_s(sc, i, true);
-          load_keys(keys, i);
-          WgmmaWait<0>();
-          FenceRegs(sc);
-          softmax(sc, keys, i, corr);
-          rescale_o(corr);
-          pack_p(sc);
-          issue_pv(i);
-          WgmmaWait<0>();
-          FenceRegs(o);
-          fence_p();
-          release(i);
-        }
-      } else if constexpr (T::kStages >= 3) {
+      if constexpr (T::kStages >= 3) {
         // Deep ring: at the top of step i, P(i) is in `a` and O is scaled to page i's row maxima. The
         // group issues S(i+1) and P(i)·V back to back, then computes the softmax of page i + 1 while
         // P(i)·V runs. The two consumer groups take turns to issue (kTurnBar), so that one group's
@@ -559,8 +532,8 @@ template <int kDim, int kStages, bool kInt8Qk, bool kRouted>
 Error Launch(const AttentionParams& p, cudaStream_t stream) {
   int smem = 0;
   KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages, kInt8Qk, kRouted>(p.max_page_bytes, &smem)));
-  // Routed: two query blocks per CTA.
-  const dim3 grid = kRouted ? dim3((p.route.n_blocks + 1) / 2, p.kv.n_heads) : AttentionGrid(p);
+  // Routed: a CTA per page slot (those of partner pages return at once).
+  const dim3 grid = kRouted ? dim3(p.route.n_blocks, p.kv.n_heads) : AttentionGrid(p);
   AttentionSm90Kernel<kDim, kStages, kInt8Qk, kRouted><<<grid, Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, smem, stream>>>(p);
   KVPACK_CUDA_RETURN_LAUNCH("attention sm90 kernel");
   return Error::Ok();

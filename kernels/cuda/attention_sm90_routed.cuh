@@ -11,89 +11,75 @@
 namespace kvpack::cuda::sm90 {
 
 // ── The routed (block-sparse) instance (sparse.h) ───────────────────────────────────────────────
-// A CTA takes query blocks 2·blockIdx.x and 2·blockIdx.x + 1 of the launch (pages first_page + b), one
-// per consumer group. The visible list of a window holds the pages that either block attends exactly,
-// each entry's bits 14–15 saying which (bit c = group c); a group computes only its own pages and
-// releases the other block's unread. After the last window one more pass streams the pooled pages as synthetic pages
+// A CTA takes one query block of the launch: slot blockIdx.x (page first_page + blockIdx.x) when its
+// page leads a block (visibility.h LeadsQueryBlock; a partner page's CTA returns at once), consumer
+// group c the queries of the block's page c (none for c = 1 where the block has one page). Both
+// groups walk one routed page list — the block's exact pages — through the dense kernel's pipeline.
+// After the last window one more pass streams the pooled pages as synthetic pages
 // (PageDesc::reserved = kSyntheticPage): synthetic page i is the slice of pages 64·i … 64·i + 63 of the
 // head, its K rows their mean keys and its V rows their V sums (the stored bf16 statistics, [H, P, d],
 // so a slice is contiguous), copied by the producers straight into the tiles; key j counts n_j tokens
-// in the softmax sum (weight) and is masked for a group that does not pool its page. Slices that
-// neither block pools are skipped. (Compacting the union of the pooled pages instead, as session 8
-// did, took one warp's serial scan and a dependent descriptor load per pooled page: a synthetic page
-// cost ~7 exact ones on H3.)
-inline constexpr int kRoutedOffsetBits = 14;
+// in the softmax sum (weight) and is masked where the block does not pool its page. Slices that the
+// block does not pool are skipped. (Compacting the pooled pages instead, as session 8 did, took one
+// warp's serial scan and a dependent descriptor load per pooled page: a synthetic page cost ~7 exact
+// ones on H3.)
 inline constexpr uint32_t kSyntheticPage = 4;
 
 template <bool kRouted, int kStages>
 struct RoutedState {
-  unsigned long long member[kStages][2];  // synthetic page of stage s: key j pooled by group c
+  unsigned long long member[kStages];     // synthetic page of stage s: key j pooled by the block
   uint8_t weight[kStages][kPageTokens];   // its keys' token counts
-  int n_synthetic;                        // slices that either block pools
-  int64_t q0[2];                          // per consumer group: launch row of the block's first query,
+  int n_synthetic;                        // slices that the block pools
+  int64_t q0[2];                          // per consumer group: launch row of its page's first query,
   int64_t t0[2];                          // its token (position),
-  int rows[2];                            // its queries (0: no block)
+  int rows[2];                            // its queries (0: the block has no second page)
 };
 template <int kStages>
 struct RoutedState<false, kStages> {};
 
-// The routed twin of CollectVisiblePages: pages of [w0, w0 + wn) that either block attends exactly,
-// in page order, with their group bits. Same barriers.
+// The routed twin of CollectVisiblePages: pages of [w0, w0 + wn) that the CTA's block attends exactly,
+// in page order. Same barriers.
 template <int kThreads, int kWindow>
 __device__ int CollectRoutedPages(const AttentionParams& p, int head, int w0, int wn,
                                   VisibleScratch<kThreads, kWindow>& scratch) {
-  static_assert(kWindow <= (1 << kRoutedOffsetBits), "offsets below the group bits");
   constexpr int kPerThread = kWindow / kThreads;
   const int tid = threadIdx.x;
   const AttentionParams::Route& route = p.route;
-  const uint32_t* bits[2];
-  for (int c = 0; c < 2; ++c) {
-    const int b = 2 * blockIdx.x + c;
-    bits[c] = b < route.n_blocks ? route.exact_bits + (static_cast<int64_t>(b) * p.kv.n_heads + head) * route.words : nullptr;
-  }
-  uint32_t mine[2] = {0, 0};  // bit i: page tid·kPerThread + i is routed by group c
+  const uint32_t* bits = route.exact_bits + (static_cast<int64_t>(blockIdx.x) * p.kv.n_heads + head) * route.words;
+  uint32_t mine = 0;  // bit i: page tid·kPerThread + i is routed
   int count = 0;
   for (int i = 0; i < kPerThread; ++i) {
     const int idx = tid * kPerThread + i;
     if (idx >= wn) break;
     const int pg = w0 + idx;
-    bool any = false;
-    for (int c = 0; c < 2; ++c) {
-      if (bits[c] != nullptr && (bits[c][pg >> 5] >> (pg & 31) & 1u)) mine[c] |= 1u << i, any = true;
-    }
-    count += any;
+    if (bits[pg >> 5] >> (pg & 31) & 1u) mine |= 1u << i, ++count;
   }
   int pos = VisibleSlot(scratch, tid, count);
   for (int i = 0; i < kPerThread; ++i) {
-    const uint32_t member = (mine[0] >> i & 1u) | (mine[1] >> i & 1u) << 1;
-    if (member) scratch.visible[pos++] = static_cast<uint16_t>((tid * kPerThread + i) | member << kRoutedOffsetBits);
+    if (mine >> i & 1u) scratch.visible[pos++] = static_cast<uint16_t>(tid * kPerThread + i);
   }
   const int n_visible = scratch.n_visible;
   __syncthreads();
   return n_visible;
 }
 
-// The pooled bits of the CTA's two blocks for one head (nullptr: no such block).
+// The pooled bits of the CTA's block for one head.
 struct PooledBits {
-  const uint32_t* bits[2];
+  const uint32_t* bits;
   int words;
-  __device__ PooledBits(const AttentionParams& p, int head) : words(p.route.words) {
-    for (int c = 0; c < 2; ++c) {
-      const int b = 2 * blockIdx.x + c;
-      bits[c] = b < p.route.n_blocks ? p.route.pooled_bits + (static_cast<int64_t>(b) * p.kv.n_heads + head) * words : nullptr;
-    }
-  }
-  // Bit j: page 64·slice + j is pooled by group c.
-  __device__ unsigned long long Slice(int c, int slice) const {
-    if (bits[c] == nullptr) return 0;
+  __device__ PooledBits(const AttentionParams& p, int head)
+      : bits(p.route.pooled_bits + (static_cast<int64_t>(blockIdx.x) * p.kv.n_heads + head) * p.route.words),
+        words(p.route.words) {}
+  // Bit j: page 64·slice + j is pooled.
+  __device__ unsigned long long Slice(int slice) const {
     const int w = 2 * slice;
-    const unsigned long long hi = w + 1 < words ? bits[c][w + 1] : 0u;
-    return bits[c][w] | hi << 32;
+    const unsigned long long hi = w + 1 < words ? bits[w + 1] : 0u;
+    return bits[w] | hi << 32;
   }
-  __device__ bool Pooled(int slice) const { return (Slice(0, slice) | Slice(1, slice)) != 0; }
+  __device__ bool Pooled(int slice) const { return Slice(slice) != 0; }
 };
 
-// The number of slices that either block pools; every thread of the CTA calls it (its barrier).
+// The number of slices that the block pools; every thread of the CTA calls it (its barrier).
 __device__ __forceinline__ int CountPooledSlices(const AttentionParams& p, int head, int& shared_count) {
   const PooledBits pooled(p, head);
   const int n_slices = (p.kv.n_pages + kPageTokens - 1) / kPageTokens;
@@ -106,7 +92,7 @@ __device__ __forceinline__ int CountPooledSlices(const AttentionParams& p, int h
   return shared_count;
 }
 
-// The first slice at or after `slice` that either block pools (every producer thread finds the same).
+// The first slice at or after `slice` that the block pools (every producer thread finds the same).
 __device__ __forceinline__ int NextPooledSlice(const PooledBits& pooled, int n_pages, int slice) {
   const int n_slices = (n_pages + kPageTokens - 1) / kPageTokens;
   while (slice < n_slices && !pooled.Pooled(slice)) ++slice;
@@ -115,7 +101,7 @@ __device__ __forceinline__ int NextPooledSlice(const PooledBits& pooled, int n_p
 
 // All producer threads: synthetic page `slice` into stage s — its tiles copied from the bf16
 // statistics by 16-byte asynchronous copies (rows past the slice's pages zero-filled), its key table
-// (bf16 keys: a_j = c, b_j = 0), weights, group masks and descriptor. The tiles are complete for the
+// (bf16 keys: a_j = c, b_j = 0), weights, member mask and descriptor. The tiles are complete for the
 // wgmma once every producer thread has passed its wait and proxy fence.
 template <int kDim, int kStages>
 __device__ void BuildSyntheticPage(const AttentionParams& p, int head, const PooledBits& pooled, int slice, int s,
@@ -143,20 +129,13 @@ __device__ void BuildSyntheticPage(const AttentionParams& p, int head, const Poo
   }
   if (ptid == 0) {
     const unsigned long long valid = count == kPageTokens ? ~0ull : (1ull << count) - 1;
-    state.member[s][0] = pooled.Slice(0, slice) & valid, state.member[s][1] = pooled.Slice(1, slice) & valid;
+    state.member[s] = pooled.Slice(slice) & valid;
     desc = PageDesc{};
     desc.n_valid = static_cast<uint16_t>(count);
     desc.format = static_cast<uint8_t>(PageFormat::kBf16);
     desc.reserved = kSyntheticPage;
   }
   CpAsyncWait<0>();
-}
-
-// A visible-list entry's page offset (the routed list carries group bits above it).
-template <bool kRouted>
-__device__ __forceinline__ int VisibleOffset(uint16_t entry) {
-  if constexpr (kRouted) return entry & ((1 << kRoutedOffsetBits) - 1);
-  return entry;
 }
 
 }  // namespace kvpack::cuda::sm90

@@ -1,7 +1,8 @@
 // The exact stage and pooled tail of block-sparse attention (sparse.h), on mma.sync (every arch).
 //
-// A CTA of 4 warps × 16 rows takes one query block (the ≤ 64 queries of one page) of one head, so the
-// routing — one per (block, head) — is the same for all its rows:
+// A CTA of 4 warps × 16 rows takes the ≤ 64 queries of one page of one head; the routing is its query
+// block's (one per (block, head), in the slot of the block's first page: the partner page of a pair
+// reads the slot before its own), the same for all its rows:
 //   1. the exact pages, ascending, from the block's exact bitmask: raw copy (cp.async, two stages, the
 //      next page's bytes in flight), decode by the codec into bf16 tiles, S = Q·Kᵀ, masks, online
 //      softmax, O += P·V — the dense portable kernel's steps (attention_sm80_warp.cuh);
@@ -91,7 +92,10 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
 #pragma unroll
   for (int n = 0; n < T::kONTiles; ++n) w.o[0][n][0] = w.o[0][n][1] = w.o[0][n][2] = w.o[0][n][3] = 0.0f;
   w.row_max[0][0] = w.row_max[0][1] = -INFINITY, w.row_sum[0][0] = w.row_sum[0][1] = 0.0f;
-  const int64_t route = (static_cast<int64_t>(blockIdx.x) * p.kv.n_heads + head) * chunk.attention.route.words;
+  // The block's routing (a chunk starts with a block's first page: slot 0 leads).
+  const int slot = LeadsQueryBlock(p.kv.pages, p.kv.n_pages, chunk.attention.route.first_page + blockIdx.x)
+                       ? blockIdx.x : blockIdx.x - 1;
+  const int64_t route = (static_cast<int64_t>(slot) * p.kv.n_heads + head) * chunk.attention.route.words;
   const uint32_t* exact = chunk.attention.route.exact_bits + route;
   const uint32_t* pooled = chunk.attention.route.pooled_bits + route;
   __syncthreads();

@@ -5,38 +5,37 @@
 //                     the decoded stored rows, double sums in slot order rounded to float, stored as
 //                     bf16 — bit for bit the CPU's ComputePageStats (sparse_route.cu is built without
 //                     FMA contraction; why bf16 and why the V sum: cpu/sparse_attention.h).
-//   LaunchRoutePages  per query chunk: the centroid of each block's stored queries; centroid · mean_k
-//                     of every (block, page) per head, tiled 32 blocks × 32 pages through shared
-//                     memory (double dots over the bf16 mean keys); then one CTA per (query block,
-//                     head): the visible pages, the forced pages, top-k or rel-tau, the floor — the
-//                     CPU's RoutePages, bit for bit — written as two bitmasks per (block, head): exact
-//                     and pooled pages.
+//   LaunchRoutePages  per query chunk: the centroid of each query block's stored queries (a block is
+//                     the queries of a page pair, cpu/sparse_attention.h; its routing lives in the
+//                     slot of its first page, the partner's slot is unused); centroid · mean_k of
+//                     every (slot, page) per head, tiled 32 slots × 64 pages through shared memory
+//                     (double dots over the bf16 mean keys; partner slots score a zero centroid, half
+//                     the work wasted, ~1% of the layer); then one CTA per (block, head): the visible
+//                     pages, the forced pages, top-k or rel-tau, the floor — the CPU's RoutePages, bit
+//                     for bit — written as two bitmasks per (block, head): exact and pooled pages.
 //   LaunchSparseAttention  per query chunk. On the wgmma kernel's GPUs (sm_90a) its routed instance
-//                     (attention_sm90.cu): a CTA takes two query blocks, one per consumer group, and
-//                     streams the union of their exact pages (each group computes only its own block's
-//                     and releases the other's unread, a page at a time), then the pooled pages as
-//                     synthetic bf16 pages, one per slice of 64 pages that either block pools, whose
-//                     rows are the stored mean keys and V sums, copied, weighted by token count in the
-//                     softmax sum. Measured slower on H3 (bench/RESULTS.md, sessions 8, 13 and 17):
-//                     one block split over both groups (1.29x, and 1.24x with each group pipelined),
-//                     each group pipelining its own pages (+1.5-2%), the INT8 MMA path (exact pages
-//                     -1%, with the mean keys quantized per synthetic page +16%), and the list
-//                     reordered so that the groups alternate (the pages both blocks route, then each
-//                     block's own in turn: +6%; not profiled — page order may keep the CTAs of a
-//                     head reading a page at about the same time, out of L2). Elsewhere one CTA of 4 warps × 16 rows per
-//                     (query block, head) (attention_sparse.cu, mma.sync, every arch): the exact pages
-//                     in ascending order (raw copy, codec decode, S = Q·Kᵀ, masks, online softmax, O +=
-//                     P·V), then the pooled pages a slice of 64 at a time as one synthetic page of mean
-//                     keys (bf16) with values bf16(v_sum / n) and a logit bias ln n (n tokens of logit s
-//                     and value v_sum / n, the CPU's FoldPooled), then the dense path's epilogue (Rᵀ,
-//                     ×λ_v, +μ_v, bf16).
+//                     (attention_sm90.cu): a CTA per block, consumer group c the queries of its page c;
+//                     both groups walk the block's one exact page list through the dense kernel's
+//                     pipeline (deep ring, ping-pong), then the pooled pages as synthetic bf16 pages,
+//                     one per slice of 64 pages that the block pools, whose rows are the stored mean
+//                     keys and V sums, copied, weighted by token count in the softmax sum. (With one
+//                     routing per 64 queries each group walked its own list a page at a time; what
+//                     was measured on that design: bench/RESULTS.md, sessions 8, 13, 17 and 18.)
+//                     Elsewhere one CTA of 4 warps × 16 rows per (page of queries, head)
+//                     (attention_sparse.cu, mma.sync, every arch), reading its block's routing: the
+//                     exact pages in ascending order (raw copy, codec decode, S = Q·Kᵀ, masks, online
+//                     softmax, O += P·V), then the pooled pages a slice of 64 at a time as one
+//                     synthetic page of mean keys (bf16) with values bf16(v_sum / n) and a logit bias
+//                     ln n (n tokens of logit s and value v_sum / n, the CPU's FoldPooled), then the
+//                     dense path's epilogue (Rᵀ, ×λ_v, +μ_v, bf16).
 // Results equal the CPU reference's routing exactly and its outputs to rounding (bf16 tiles, bf16 P,
 // fold order); tests/kernels/cuda_sparse_test.cc holds both to that.
 //
 // Memory (PlanSparseRegion, part of the layer's workspace while it attends): the statistics
 // bf16 [H, P, d] × 2, the range flags, exact and pooled bitmasks uint32 [blocks per chunk, H, ⌈P/32⌉]
-// each, three uint64 tallies, the chunk's centroids float [blocks, H, d] and scores float [blocks, H, P].
-// H3 (N = 152,263: P = 2380, 56 heads × 128; Tq 4224: 68 blocks): statistics 68.2 MB (136.5 as
+// each, three uint64 tallies, the chunk's centroids float [blocks, H, d] and scores float [blocks, H, P]
+// ("blocks": page slots, SparseBlocksPerChunk).
+// H3 (N = 152,263: P = 2380, 56 heads × 128; Tq 4224: 68 slots): statistics 68.2 MB (136.5 as
 // float), scores 36.3 MB, bitmasks 2.3 MB, centroids 1.9 MB — 108.7 MB. The route kernel holds one
 // (block, head)'s sort keys in shared memory: 8 bytes per page rounded up to a power of two (it selects
 // the top k by radix select and sorts them only for the relative threshold or a floor that top-k does

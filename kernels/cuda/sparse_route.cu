@@ -12,6 +12,7 @@
 #include "kernels/cuda/sparse.h"
 #include "kernels/page_codec.h"
 #include "kernels/sparse_plan.h"
+#include "kernels/visibility.h"
 
 namespace kvpack::cuda {
 namespace {
@@ -176,16 +177,25 @@ __device__ void SelectLargestKeys(const unsigned long long* keys, int n, int k, 
 
 constexpr uint8_t kExact = 1, kVisible = 2;
 
-// Centroids: one CTA per (query block, head), one thread per channel — the mean of the block's stored
-// bf16 queries, double sums in row order (the CPU's AttendChunkSparse).
+// Centroids: one CTA per (page slot, head), one thread per channel — for a slot whose page leads a query
+// block, the mean of the block's stored bf16 queries (its one or two pages' rows, contiguous), double
+// sums in row order (the CPU's AttendChunkSparse); zeros for a partner page's slot (ScoreKernel scores
+// every slot; RoutePagesKernel reads only the leaders').
 __global__ void CentroidKernel(const AttentionParams p, float* centroids) {
   const int b = blockIdx.x, h = blockIdx.y, c = threadIdx.x, d = p.kv.head_dim;
-  const PageDesc block = p.kv.pages[p.route.first_page + b];
+  const int lead = p.route.first_page + b;
+  float* out = centroids + (static_cast<int64_t>(b) * p.kv.n_heads + h) * d + c;
+  if (!LeadsQueryBlock(p.kv.pages, p.kv.n_pages, lead)) {
+    *out = 0.0f;
+    return;
+  }
+  const PageDesc block = p.kv.pages[lead];
+  const int n = block.n_valid + (QueryBlockPages(p.kv.pages, p.kv.n_pages, lead) == 2 ? p.kv.pages[lead + 1].n_valid : 0);
   double acc = 0.0;
-  for (int i = 0; i < block.n_valid; ++i) {
+  for (int i = 0; i < n; ++i) {
     acc += Bf16ToFloat(p.q[(block.token_begin + i - p.q_token_begin) * p.q_stride + h * d + c]);
   }
-  centroids[(static_cast<int64_t>(b) * p.kv.n_heads + h) * d + c] = static_cast<float>(acc / block.n_valid);
+  *out = static_cast<float>(acc / n);
 }
 
 // Dots centroid · mean_k of every (block, page) of a head: scores[b, h, pg], each a double sum over the
@@ -244,7 +254,7 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(const AttentionPara
   }
 }
 
-// One CTA per (query block, head) of the chunk.
+// One CTA per (page slot, head) of the chunk; the slot of a partner page (no block) returns at once.
 __global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseChunk chunk, const float* dots, int sort_size) {
   extern __shared__ unsigned long long keys[];                       // [sort_size]
   uint8_t* mark = reinterpret_cast<uint8_t*>(keys + sort_size);        // [P]: kExact | kVisible
@@ -256,9 +266,11 @@ __global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseCh
   const SparseOptions& sparse = chunk.options;
   const int P = kv.n_pages, tid = threadIdx.x;
   const int b = blockIdx.x, h = blockIdx.y;
-  const PageDesc block = kv.pages[chunk.attention.route.first_page + b];
+  const int lead = chunk.attention.route.first_page + b;
+  if (!LeadsQueryBlock(kv.pages, P, lead)) return;  // uniform over the CTA, before any barrier
+  const PageDesc block = kv.pages[lead];
   const int32_t seq = block.seq_id;
-  const int n = block.n_valid;
+  const int n = block.n_valid + (QueryBlockPages(kv.pages, P, lead) == 2 ? kv.pages[lead + 1].n_valid : 0);
   const int64_t first_pos = block.token_begin, last_pos = first_pos + n - 1;
   const Visibility visibility = p.visibility;
   auto flag_of = [&](int pg) -> uint8_t {

@@ -230,8 +230,9 @@ class CudaBackend final : public Backend {
         !s.ok()) {
       return s;
     }
-    // Sparse: its attention kernels need no more shared memory than the dense one chosen above (one
-    // query block of 64 rows instead of 128), but the routing kernel's sort grows with the pages.
+    // Sparse: its attention kernels need no more shared memory than the dense one chosen above (the
+    // routed wgmma instance has the dense tile; the portable kernel holds 64 rows instead of 128), but
+    // the routing kernel's sort grows with the pages.
     if (config.attention.sparse.enabled) {
       const int64_t pages = SparsePageCount(config);
       const int route = SparseRouteSharedBytes(pages);
