@@ -143,21 +143,26 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const std::vector<uint8_t> flags = cpu::RangeFlags(cfg.ranges);
   std::vector<std::vector<int32_t>> cpu_exact(static_cast<size_t>(P) * heads), cpu_pooled(cpu_exact.size());
+  // A block's routing sits in the slot of its first page (the partner page's slot is unused).
+  int64_t n_blocks = 0;
   for (int b = 0; b < P; ++b) {
+    if (!LeadsQueryBlock(host.pages, P, b)) continue;
+    ++n_blocks;
     const PageDesc& page = host.pages[b];
+    const int rows = page.n_valid + (QueryBlockPages(host.pages, P, b) == 2 ? host.pages[b + 1].n_valid : 0);
     for (int h = 0; h < heads; ++h) {
       std::vector<double> acc(d, 0.0);
-      for (int i = 0; i < page.n_valid; ++i) {
+      for (int i = 0; i < rows; ++i) {
         for (int ch = 0; ch < d; ++ch) acc[ch] += Bf16ToFloat(q_ws[(page.token_begin + i) * hd + h * d + ch]);
       }
       std::vector<float> centroid(d);
-      for (int ch = 0; ch < d; ++ch) centroid[ch] = static_cast<float>(acc[ch] / page.n_valid);
+      for (int ch = 0; ch < d; ++ch) centroid[ch] = static_cast<float>(acc[ch] / rows);
       std::vector<float> scores(P);
       std::vector<int32_t> order(P), exact(P), pooled(P);
       std::vector<uint8_t> mark(P);
       int n_exact = 0, n_pooled = 0;
       cpu::RoutePages(host, cpu::PageStatsView{mean_k, v_sum}, h, centroid.data(), page.seq_id, page.token_begin,
-                      page.token_begin + page.n_valid - 1, cfg.attention, scale, flags,
+                      page.token_begin + rows - 1, cfg.attention, scale, flags,
                       cpu::RouteScratch{scores.data(), order.data(), mark.data()}, exact.data(), &n_exact,
                       pooled.data(), &n_pooled, nullptr);
       cpu_exact[b * heads + h].assign(exact.begin(), exact.begin() + n_exact);
@@ -211,6 +216,7 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
   EXPECT_EQ(0, std::memcmp(gpu_v_sum.data(), cpu_v_sum.data(), cpu_v_sum.size() * 2)) << "v_sum bits";
   int64_t routes_differ = 0;
   for (int64_t item = 0; item < static_cast<int64_t>(P) * heads; ++item) {
+    if (!LeadsQueryBlock(host.pages, P, static_cast<int>(item / heads))) continue;
     std::vector<int32_t> exact, pooled;
     for (int pg = 0; pg < P; ++pg) {
       if (exact_bits[item * r.words + pg / 32] >> (pg % 32) & 1u) exact.push_back(pg);
@@ -229,7 +235,7 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
               "%lld of %lld visible); vs cpu::AttendChunkSparse rel L2 %.5f (tol %.3f), head cosine mean %.6f worst "
               "%.6f (min %.4f)\n",
               c.name, KernelName(tiling), routes_differ == 0 ? "yes" : "NO", static_cast<long long>(routes_differ),
-              static_cast<long long>(P) * heads, cpu_report.RoutedFraction(), static_cast<long long>(tallies[1]),
+              static_cast<long long>(n_blocks) * heads, cpu_report.RoutedFraction(), static_cast<long long>(tallies[1]),
               static_cast<long long>(tallies[2]), static_cast<long long>(tallies[0]), rel, kSparseVsCpuRelL2, mean,
               worst, kSparseMinCos);
   EXPECT_LE(rel, kSparseVsCpuRelL2);
