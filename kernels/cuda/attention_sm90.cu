@@ -353,10 +353,22 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
               const float arg = fmaf(AsFloat(sc[n][e]), row_scale[r], -m_use);
               const float w = kSm90Experiment == Sm90Experiment::kNoExp ? arg : Exp2Ftz(arg);  // noexp: timing only
               SetFloat(sc[n][e], w);
-              if constexpr (kRouted) {
-                row_sum[r] += weighted ? w * routed.weight[i % T::kStages][n * 8 + 2 * t + (e & 1)] : w;
-              } else {
-                row_sum[r] += w;
+              if constexpr (!kRouted) row_sum[r] += w;
+            }
+          }
+          if constexpr (kRouted) {  // the same sums, with the page's one branch outside the loop
+            if (weighted) {  // a synthetic page: key j stands for weight[j] tokens
+              const uint8_t* weight = routed.weight[i % T::kStages];
+#pragma unroll
+              for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) row_sum[r] += AsFloat(sc[n][e]) * weight[n * 8 + 2 * t + (e & 1)];
+              }
+            } else {
+#pragma unroll
+              for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) row_sum[r] += AsFloat(sc[n][e]);
               }
             }
           }
