@@ -9,8 +9,8 @@
 //                     the queries of a page pair, cpu/sparse_attention.h; its routing lives in the
 //                     slot of its first page, the partner's slot is unused); centroid · mean_k of
 //                     every (slot, page) per head, tiled 32 slots × 64 pages through shared memory
-//                     (double dots over the bf16 mean keys; partner slots score a zero centroid, half
-//                     the work wasted, ~1% of the layer); then one CTA per (block, head): the visible
+//                     (double dots over the bf16 mean keys; partner slots score a zero centroid: half
+//                     its work wasted — all routing is 20 ms of H3's 533 ms top-k 0.2 layer); then one CTA per (block, head): the visible
 //                     pages, the forced pages, top-k or rel-tau, the floor — the CPU's RoutePages, bit
 //                     for bit — written as two bitmasks per (block, head): exact and pooled pages.
 //   LaunchSparseAttention  per query chunk. On the wgmma kernel's GPUs (sm_90a) its routed instance
@@ -18,9 +18,11 @@
 //                     both groups walk the block's one exact page list through the dense kernel's
 //                     pipeline (deep ring, ping-pong), then the pooled pages as synthetic bf16 pages,
 //                     one per slice of 64 pages that the block pools, whose rows are the stored mean
-//                     keys and V sums, copied, weighted by token count in the softmax sum. (With one
-//                     routing per 64 queries each group walked its own list a page at a time; what
-//                     was measured on that design: bench/RESULTS.md, sessions 8, 13, 17 and 18.)
+//                     keys and V sums, copied, weighted by token count in the softmax sum. H3 top-k 0.2
+//                     on an H100: attention 430 ms where one routing per 64 queries, each group
+//                     walking its own list a page at a time, took 509 (bench/RESULTS.md, sessions 8,
+//                     13, 17 and 18, with what else was tried); an exact page still costs ~1.3× a
+//                     dense one (not profiled at H3).
 //                     Elsewhere one CTA of 4 warps × 16 rows per (page of queries, head)
 //                     (attention_sparse.cu, mma.sync, every arch), reading its block's routing: the
 //                     exact pages in ascending order (raw copy, codec decode, S = Q·Kᵀ, masks, online
@@ -35,8 +37,8 @@
 // bf16 [H, P, d] × 2, the range flags, exact and pooled bitmasks uint32 [blocks per chunk, H, ⌈P/32⌉]
 // each, three uint64 tallies, the chunk's centroids float [blocks, H, d] and scores float [blocks, H, P]
 // ("blocks": page slots, SparseBlocksPerChunk).
-// H3 (N = 152,263: P = 2380, 56 heads × 128; Tq 4224: 68 slots): statistics 68.2 MB (136.5 as
-// float), scores 36.3 MB, bitmasks 2.3 MB, centroids 1.9 MB — 108.7 MB. The route kernel holds one
+// H3 (N = 152,263: P = 2380, 56 heads × 128; Tq 4224: 69 slots): statistics 68.2 MB (136.5 as
+// float), scores 36.8 MB, bitmasks 2.3 MB, centroids 2.0 MB — 109.3 MB. The route kernel holds one
 // (block, head)'s sort keys in shared memory: 8 bytes per page rounded up to a power of two (it selects
 // the top k by radix select and sorts them only for the relative threshold or a floor that top-k does
 // not meet), so entries have at most kMaxSparsePagesGpu pages.
