@@ -64,6 +64,11 @@ KVPACK_HD inline bool LeadsQueryBlock(const PageDesc* pages, int n_pages, int p)
 KVPACK_HD inline int QueryBlockPages(const PageDesc* pages, int n_pages, int p) {
   return PairsWithNext(pages, n_pages, p) ? 2 : 1;
 }
+// The queries of the block led by p in the layer (query t at position t): its pages' valid slots,
+// contiguous from pages[p].token_begin.
+KVPACK_HD inline int QueryBlockRows(const PageDesc* pages, int n_pages, int p) {
+  return pages[p].n_valid + (PairsWithNext(pages, n_pages, p) ? pages[p + 1].n_valid : 0);
+}
 
 // One (query block, head)'s routing: pages attended exactly and pages pooled, each ascending.
 struct RoutedPages {

@@ -98,9 +98,8 @@ void AttendChunkSparse(const LayerConfig& config, const KvEntryView& kv, const u
     *item_report = SparseReport{};
     if (!LeadsQueryBlock(kv.pages, P, lead)) return;
     const PageDesc& page = kv.pages[lead];
-    const int64_t t0 = page.token_begin;  // the block's tokens are contiguous: its pages' valid slots
-    int n = page.n_valid;
-    if (QueryBlockPages(kv.pages, P, lead) == 2) n += kv.pages[lead + 1].n_valid;
+    const int64_t t0 = page.token_begin;
+    const int n = QueryBlockRows(kv.pages, P, lead);
     int32_t* exact = reinterpret_cast<int32_t*>(mem);
     int32_t* pooled = exact + P;
     float* scores = reinterpret_cast<float*>(pooled + P);

@@ -10,9 +10,10 @@
 //                     slot of its first page, the partner's slot is unused); centroid · mean_k of
 //                     every (slot, page) per head, tiled 32 slots × 64 pages through shared memory
 //                     (double dots over the bf16 mean keys; partner slots score a zero centroid: half
-//                     its work wasted — all routing is 20 ms of H3's 533 ms top-k 0.2 layer); then one CTA per (block, head): the visible
-//                     pages, the forced pages, top-k or rel-tau, the floor — the CPU's RoutePages, bit
-//                     for bit — written as two bitmasks per (block, head): exact and pooled pages.
+//                     its work wasted — all routing is 20 ms of H3's 533 ms top-k 0.2 layer); then
+//                     one CTA per (block, head): the visible pages, the forced pages, top-k or
+//                     rel-tau, the floor — the CPU's RoutePages, bit for bit — written as two bitmasks
+//                     per (block, head): exact and pooled pages.
 //   LaunchSparseAttention  per query chunk. On the wgmma kernel's GPUs (sm_90a) its routed instance
 //                     (attention_sm90.cu): a CTA per block, consumer group c the queries of its page c;
 //                     both groups walk the block's one exact page list through the dense kernel's

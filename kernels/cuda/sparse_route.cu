@@ -190,7 +190,7 @@ __global__ void CentroidKernel(const AttentionParams p, float* centroids) {
     return;
   }
   const PageDesc block = p.kv.pages[lead];
-  const int n = block.n_valid + (QueryBlockPages(p.kv.pages, p.kv.n_pages, lead) == 2 ? p.kv.pages[lead + 1].n_valid : 0);
+  const int n = QueryBlockRows(p.kv.pages, p.kv.n_pages, lead);
   double acc = 0.0;
   for (int i = 0; i < n; ++i) {
     acc += Bf16ToFloat(p.q[(block.token_begin + i - p.q_token_begin) * p.q_stride + h * d + c]);
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kRouteThreads) RoutePagesKernel(const SparseCh
   if (!LeadsQueryBlock(kv.pages, P, lead)) return;  // uniform over the CTA, before any barrier
   const PageDesc block = kv.pages[lead];
   const int32_t seq = block.seq_id;
-  const int n = block.n_valid + (QueryBlockPages(kv.pages, P, lead) == 2 ? kv.pages[lead + 1].n_valid : 0);
+  const int n = QueryBlockRows(kv.pages, P, lead);
   const int64_t first_pos = block.token_begin, last_pos = first_pos + n - 1;
   const Visibility visibility = p.visibility;
   auto flag_of = [&](int pg) -> uint8_t {

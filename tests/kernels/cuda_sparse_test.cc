@@ -149,7 +149,7 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
     if (!LeadsQueryBlock(host.pages, P, b)) continue;
     ++n_blocks;
     const PageDesc& page = host.pages[b];
-    const int rows = page.n_valid + (QueryBlockPages(host.pages, P, b) == 2 ? host.pages[b + 1].n_valid : 0);
+    const int rows = QueryBlockRows(host.pages, P, b);
     for (int h = 0; h < heads; ++h) {
       std::vector<double> acc(d, 0.0);
       for (int i = 0; i < rows; ++i) {

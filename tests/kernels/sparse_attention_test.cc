@@ -204,7 +204,7 @@ std::vector<Route> RouteAll(const Entry& e, const SyntheticData& data, const Att
     if (!LeadsQueryBlock(kv.pages, P, pg)) continue;
     const int block_pages = QueryBlockPages(kv.pages, P, pg);
     const PageDesc& page = kv.pages[pg];
-    const int n = page.n_valid + (block_pages == 2 ? kv.pages[pg + 1].n_valid : 0);
+    const int n = QueryBlockRows(kv.pages, P, pg);
     for (int h = 0; h < kv.n_heads; ++h) {
       std::vector<float> stored(static_cast<size_t>(kQueryBlock) * d), centroid(d);
       StoredBlockQueries(kv, h, data.q.data(), page.token_begin, n, stored.data(), centroid.data());
