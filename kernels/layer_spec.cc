@@ -304,7 +304,6 @@ ChunkGate CancelGate(std::function<bool()> cancelled) {
 }
 
 MmaPath ConfigMmaPath(const LayerConfig& config) {
-  if (config.attention.sparse.enabled) return MmaPath::kBf16;  // the sparse path's kernels and reference
   bool has_bf16 = false;
   for (const TokenRange& r : config.ranges) has_bf16 = has_bf16 || r.format == PageFormat::kBf16;
   return ResolveMmaPath(config.attention.mma, has_bf16, config.shape.head_dim, config.transforms.rotate);

@@ -279,8 +279,7 @@ KvEntryView MakeKvView(const KvLayout& layout, const LayerShape& shape, const ui
 // ── Shared host-side helpers (layer_spec.cc) ────────────────────────────────────────────────────
 
 // The MMA path of a layer of `config` on a kernel that has every path (mma_path.h ResolveMmaPath over
-// config.attention.mma, its ranges' formats, head_dim and rotation); kBf16 with sparse attention,
-// whose kernels and reference have the bf16 path only.
+// config.attention.mma, its ranges' formats, head_dim and rotation), dense or sparse.
 MmaPath ConfigMmaPath(const LayerConfig& config);
 
 // The transforms the per-head choice runs with: `transforms`, with choose_plain_k off where the

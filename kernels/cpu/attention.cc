@@ -25,13 +25,13 @@ float Dot(const float* a, const float* b, int n) {
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
 
-int32_t IntDot(const int8_t* a, const int8_t* b, int n) {  // exact, as the INT8 MMA accumulates
+}  // namespace
+
+int32_t IntDot(const int8_t* a, const int8_t* b, int n) {
   int32_t s = 0;
   for (int i = 0; i < n; ++i) s += static_cast<int32_t>(a[i]) * b[i];
   return s;
 }
-
-}  // namespace
 
 bool HasBf16Pages(const KvEntryView& kv) {
   for (int i = 0; i < kv.n_pages; ++i) {

@@ -60,6 +60,9 @@ void FoldPage(const KvEntryView& kv, int head, const QueryTile& tile, const Visi
 // acc/ℓ, Rᵀ, ⊙ λ_v, + μ_v into out[n, d]; zeros for a query that saw no key.
 void FinishTile(const KvEntryView& kv, int head, int n, const TileState& state, float* out);
 
+// Σ a_i·b_i of int8 codes, exact in int32 as the INT8 MMAs accumulate (|sum| < 2^22 for d ≤ 256).
+int32_t IntDot(const int8_t* a, const int8_t* b, int n);
+
 // Whether any page of the entry is BF16 (which keeps a layer on bf16 MMAs: ResolveMmaPath).
 bool HasBf16Pages(const KvEntryView& kv);
 

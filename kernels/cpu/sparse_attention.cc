@@ -51,6 +51,15 @@ void FoldPooled(TileState* state, int i, int d, float s, float count, const uint
   state->m[i] = m_new;
 }
 
+// The INT8 path's pooled key (mma_path.h): the bf16 mean key quantized as a query row is.
+float PooledKeyCodes(const uint16_t* mean_k, int d, int8_t* codes) {
+  float amax = 0.0f;
+  for (int c = 0; c < d; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(mean_k[c])));
+  const QueryScale s = QueryScaleOf(amax);
+  for (int c = 0; c < d; ++c) codes[c] = QueryCode(Bf16ToFloat(mean_k[c]), s);
+  return s.scale;
+}
+
 }  // namespace
 
 uint64_t PageStatsBytes(int n_heads, int head_dim, int n_pages) {
@@ -199,11 +208,11 @@ void RoutePages(const KvEntryView& kv, const PageStatsView& stats, int head, con
 }
 
 void AttendTileRouted(const KvEntryView& kv, const PageStatsView& stats, int head, const QueryTile& tile, bool causal,
-                      float scale, const RoutedPages& routed, float* out) {
+                      float scale, MmaPath mma, const RoutedPages& routed, float* out) {
   const int d = kv.head_dim;
   const int64_t P = kv.n_pages;
   TileState state;
-  BeginTile(tile, d, MmaPath::kBf16, &state);  // the exact logits (the sparse path has no MMA option yet)
+  BeginTile(tile, d, mma, &state);
   const Visibility visibility{causal};
   for (int i = 0; i < routed.n_exact; ++i) FoldPage(kv, head, tile, visibility, scale, routed.exact[i], &state);
   const uint16_t* mean_k = stats.mean_k + head * P * d;
@@ -211,8 +220,13 @@ void AttendTileRouted(const KvEntryView& kv, const PageStatsView& stats, int hea
   for (int i = 0; i < routed.n_pooled; ++i) {
     const int64_t pg = routed.pooled[i];
     const float count = static_cast<float>(kv.pages[pg].n_valid);
+    int8_t k_codes[kMaxHeadDimCpu];
+    float k_scale = 0.0f;
+    if (mma == MmaPath::kInt8) k_scale = PooledKeyCodes(mean_k + pg * d, d, k_codes);
     for (int q = 0; q < tile.n; ++q) {
-      const float s = scale * DotBf16(tile.q + q * d, mean_k + pg * d, d);
+      const float s = mma == MmaPath::kInt8
+                          ? scale * (state.q_scale[q] * k_scale * static_cast<float>(IntDot(state.q_codes + q * d, k_codes, d)))
+                          : scale * DotBf16(tile.q + q * d, mean_k + pg * d, d);
       FoldPooled(&state, q, d, s, count, v_sum + pg * d);
     }
   }
@@ -234,6 +248,7 @@ Error SparseAttendFloat(const KvEntryView& kv, const QueryBlock& queries, const 
   const int heads = kv.n_heads;
   const int64_t P = kv.n_pages;
   const float scale = EffectiveScale(attention, d);
+  const MmaPath mma = ResolveMmaPath(attention.mma, HasBf16Pages(kv), d, kv.rotate);
   std::vector<uint16_t> mean_k(static_cast<size_t>(heads) * P * d), v_sum(mean_k.size());
   ComputePageStats(kv, mean_k.data(), v_sum.data(), options);
   const PageStatsView stats{mean_k.data(), v_sum.data()};
@@ -275,7 +290,7 @@ Error SparseAttendFloat(const KvEntryView& kv, const QueryBlock& queries, const 
     for (int t0 = 0; t0 < n; t0 += kQueryTile) {
       const int count = std::min(kQueryTile, n - t0);
       AttendTileRouted(kv, stats, h, QueryTile{q + t0 * d, seq + t0, pos + t0, count}, attention.causal, scale,
-                       routed, o);
+                       mma, routed, o);
       for (int i = 0; i < count; ++i) std::copy(o + i * d, o + (i + 1) * d, out + ((first + t0 + i) * heads + h) * d);
     }
   });

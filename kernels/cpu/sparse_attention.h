@@ -40,6 +40,10 @@
 // so with every page exact (topk_ratio 1) the result is bit-identical to AttendFloat. A pooled page
 // adds, for query i, s = scale · q̂_i · mean_k[p] with weight n: ℓ += n·e^(s−m), acc += e^(s−m)·v_sum
 // (= n tokens of logit s and value v_sum/n), so every visible token stays in the denominator.
+// MMA paths (mma_path.h), resolved as the dense path's: on kInt8 the exact pages take FoldPage's INT8
+// logits, and a pooled page's mean key is quantized as a query row is (QueryScaleOf / QueryCode over
+// its bf16 values: codes k̂, scale s_k), s = scale · s_q,i · s_k · Σ q̂_codes·k̂ — what the kernels'
+// synthetic pages hold on that path.
 // The routed fraction of a call is Σ exact / Σ visible over its (block, head) pairs.
 #pragma once
 
@@ -96,9 +100,10 @@ void RoutePages(const KvEntryView& kv, const PageStatsView& stats, int head, con
                 const std::vector<uint8_t>& range_flags, const RouteScratch& scratch, int32_t* exact, int* n_exact,
                 int32_t* pooled, int* n_pooled, SparseReport* report);
 
-// Attention of a tile (all of one block) over a routing; out as AttendTile.
+// Attention of a tile (all of one block) over a routing, on the resolved MMA path `mma`; out as
+// AttendTile.
 void AttendTileRouted(const KvEntryView& kv, const PageStatsView& stats, int head, const QueryTile& tile, bool causal,
-                      float scale, const RoutedPages& routed, float* out);
+                      float scale, MmaPath mma, const RoutedPages& routed, float* out);
 
 // AttendFloat with attention.sparse (which must be enabled and valid): statistics, routing and the
 // exact stage; `ranges` give the per-range flags (may be empty: none set). *report may be null.

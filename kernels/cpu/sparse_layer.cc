@@ -78,6 +78,7 @@ void AttendChunkSparse(const LayerConfig& config, const KvEntryView& kv, const u
   const int64_t hd = static_cast<int64_t>(heads) * d;
   const AttentionOptions& attention = config.attention;
   const float scale = EffectiveScale(attention, d);
+  const MmaPath mma = ConfigMmaPath(config);
   const TokenPageMap map(config.ranges);
   int first_page, last_page, slot;
   map.Locate(begin, &first_page, &slot);
@@ -129,7 +130,7 @@ void AttendChunkSparse(const LayerConfig& config, const KvEntryView& kv, const u
     for (int i0 = 0; i0 < n; i0 += kQueryTile) {
       const int count = std::min(kQueryTile, n - i0);
       AttendTileRouted(kv, stats, h, QueryTile{q + i0 * d, seq + i0, pos + i0, count}, attention.causal, scale,
-                       routed, o);
+                       mma, routed, o);
       for (int i = 0; i < count; ++i) {
         uint16_t* dst = out + (t0 + i0 + i) * hd + static_cast<int64_t>(h) * d;
         for (int c = 0; c < d; ++c) dst[c] = FloatToBf16(o[i * d + c]);

@@ -39,7 +39,6 @@ using namespace sm90;
 template <int kDim, int kStages, bool kInt8Qk, bool kRouted>
 __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1) AttentionSm90Kernel(const AttentionParams p) {
   using T = Sm90Tile<kDim, kStages, kInt8Qk>;
-  static_assert(!(kInt8Qk && kRouted), "the routed instance runs bf16 MMAs (as the CPU's sparse path)");
   using SAcc = std::conditional_t<kInt8Qk, uint32_t, float>;  // S accumulator registers
   static_assert(T::kProducerThreads == kProducerThreads, "DecodePage's thread layout");
   constexpr int kUnitsPerRow = kDim / 8;  // 16-byte chunks per bf16 row
@@ -78,14 +77,21 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
       routed.rows[tid] = has ? page.n_valid : 0;
     }
     CountPooledSlices(p, head, routed.n_synthetic);  // its barriers publish the blocks' rows too
-    for (int u = tid; u < kTileQueries * kUnitsPerRow; u += T::kThreads) {
-      const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow, c = r / T::kGroupRows, rr = r % T::kGroupRows;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (rr < routed.rows[c]) v = *reinterpret_cast<const uint4*>(p.q + (routed.q0[c] + rr) * p.q_stride + head * kDim + c8 * 8);
-      *reinterpret_cast<uint4*>(smem + c * (T::kQBytes / 2) + SwizzledOffset<T::kGroupRows>(rr, c8)) = v;
+    if constexpr (kInt8Qk) {
+      QuantizeQueryTile<T>(p, routed.q0, routed.rows, head, smem, q_rows_int8);
+    } else {
+      for (int u = tid; u < kTileQueries * kUnitsPerRow; u += T::kThreads) {
+        const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow, c = r / T::kGroupRows, rr = r % T::kGroupRows;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (rr < routed.rows[c]) v = *reinterpret_cast<const uint4*>(p.q + (routed.q0[c] + rr) * p.q_stride + head * kDim + c8 * 8);
+        *reinterpret_cast<uint4*>(smem + c * (T::kQBytes / 2) + SwizzledOffset<T::kGroupRows>(rr, c8)) = v;
+      }
     }
   } else if constexpr (kInt8Qk) {
-    QuantizeQueryTile<T>(p, q0, n_rows, head, smem, q_rows_int8);
+    const int64_t group_q0[2] = {q0, q0 + T::kGroupRows};
+    const int group_rows[2] = {n_rows < T::kGroupRows ? n_rows : T::kGroupRows,
+                               n_rows > T::kGroupRows ? n_rows - T::kGroupRows : 0};
+    QuantizeQueryTile<T>(p, group_q0, group_rows, head, smem, q_rows_int8);
   } else {
     for (int u = tid; u < kTileQueries * kUnitsPerRow; u += T::kThreads) {  // Q [2][64][d] → swizzled smem
       const int r = u / kUnitsPerRow, c8 = u % kUnitsPerRow;
@@ -133,7 +139,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
             slice = NextPooledSlice(pooled, n_pages, slice + 1);
             const int s = i % T::kStages;
             if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);
-            BuildSyntheticPage<kDim>(p, head, pooled, slice, s, routed, tile_desc[s], smem + T::kKOffset + s * T::kKTileBytes,
+            BuildSyntheticPage<kDim, kStages, kInt8Qk>(p, head, pooled, slice, s, routed, tile_desc[s], smem + T::kKOffset + s * T::kKTileBytes,
                                      smem + T::kVOffset + s * T::kTileBytes, reinterpret_cast<float2*>(key_table[s]),
                                      scale_log2, tid);
             FenceProxyAsync();
@@ -504,31 +510,27 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
 
 // The kernel instance that serves (head_dim, max_page_bytes, MMA path, routed): f(dim, stages, int8,
 // routed), each as std::integral_constant, so that every entry point below makes the same choice. The
-// INT8 path's entries hold no BF16 page, so it always takes four stages; routed launches run bf16.
+// INT8 path's entries hold no BF16 page, so it always takes four stages; routed launches take either
+// path, as dense ones do.
 template <int kValue>
 using Int = std::integral_constant<int, kValue>;
 template <bool kValue>
 using Bool = std::integral_constant<bool, kValue>;
 template <class F>
 auto WithInstance(int head_dim, int max_page_bytes, MmaPath mma, bool routed, F&& f) {
-  if (routed) {
+  auto with_route = [&](auto route) {
+    if (mma == MmaPath::kInt8) {
+      return head_dim == 128 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<true>{}, route)
+                             : f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<true>{}, route);
+    }
     if (head_dim == 128) {
       return Sm90Stages<128>(max_page_bytes) == kSm90DeepStages
-                 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<true>{})
-                 : f(Int<128>{}, Int<2>{}, Bool<false>{}, Bool<true>{});
+                 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<false>{}, route)
+                 : f(Int<128>{}, Int<2>{}, Bool<false>{}, route);
     }
-    return f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<true>{});
-  }
-  if (mma == MmaPath::kInt8) {
-    return head_dim == 128 ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<true>{}, Bool<false>{})
-                           : f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<true>{}, Bool<false>{});
-  }
-  if (head_dim == 128) {
-    return Sm90Stages<128>(max_page_bytes) == kSm90DeepStages
-               ? f(Int<128>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<false>{})
-               : f(Int<128>{}, Int<2>{}, Bool<false>{}, Bool<false>{});
-  }
-  return f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<false>{}, Bool<false>{});
+    return f(Int<64>{}, Int<kSm90DeepStages>{}, Bool<false>{}, route);
+  };
+  return routed ? with_route(Bool<true>{}) : with_route(Bool<false>{});
 }
 
 // Raises the instance's dynamic shared-memory limit to what `max_page_bytes` needs; returns the bytes.
@@ -569,9 +571,7 @@ int AttentionSm90SharedBytes(int head_dim, int max_page_bytes) {  // the bf16 pa
 }
 
 Error LaunchAttentionSm90(const AttentionParams& params, cudaStream_t stream) {
-  const bool routed = params.route.n_blocks > 0;
-  if (routed && params.mma == MmaPath::kInt8) return InvalidArgument("routed attention runs bf16 MMAs");
-  return WithInstance(params.kv.head_dim, params.max_page_bytes, params.mma, routed,
+  return WithInstance(params.kv.head_dim, params.max_page_bytes, params.mma, params.route.n_blocks > 0,
                       [&](auto dim, auto stages, auto int8, auto route) {
                         return Launch<dim.value, stages.value, int8.value, route.value>(params, stream);
                       });

@@ -24,18 +24,24 @@ struct Int8QueryRows<false> {};
 // The INT8 MMA path's Q: every warp of the CTA quantizes rows warp, warp + kWarps, … of the tile from
 // the bf16 stored-form Q (QueryScaleOf / QueryCode, as the CPU reference) into the swizzled int8 tile
 // [2 groups][64 rows][128 bytes] (lane l's kDim/32 codes at byte l·kDim/32 of the row), and lane 0
-// writes the row's s_q and Σq̂ / s_q (|Σq̂ / s_q| ≤ 127·kDim). Rows past n_rows are zero rows.
+// writes the row's s_q and Σq̂ / s_q (|Σq̂ / s_q| ≤ 127·kDim). Consumer group c's rows are launch rows
+// group_q0[c] … + group_rows[c] − 1 (consecutive in the dense tile; a page each in the routed one);
+// the rest are zero rows.
 template <class T>
-__device__ __forceinline__ void QuantizeQueryTile(const AttentionParams& p, int64_t q0, int n_rows, int head,
-                                                  uint8_t* q_tile, Int8QueryRows<true>& rows) {
+__device__ __forceinline__ void QuantizeQueryTile(const AttentionParams& p, const int64_t (&group_q0)[2],
+                                                  const int (&group_rows)[2], int head, uint8_t* q_tile,
+                                                  Int8QueryRows<true>& rows) {
   constexpr int kPerLane = T::kDim / 32;
   constexpr int kWarps = T::kThreads / 32;
   const int lane = threadIdx.x & 31;
   for (int r = threadIdx.x >> 5; r < kTileQueries; r += kWarps) {
+    const int c = r / T::kGroupRows, rr = r % T::kGroupRows;
+    const int64_t q0 = c ? group_q0[1] : group_q0[0];  // selects, not an indexed (local-memory) array
+    const int n_rows = c ? group_rows[1] : group_rows[0];
     float x[kPerLane];
     uint32_t bits[kPerLane / 2] = {};
-    if (r < n_rows) {
-      const uint16_t* src = p.q + (q0 + r) * p.q_stride + head * T::kDim + lane * kPerLane;
+    if (rr < n_rows) {
+      const uint16_t* src = p.q + (q0 + rr) * p.q_stride + head * T::kDim + lane * kPerLane;
       if constexpr (kPerLane == 4) {
         const uint2 w = *reinterpret_cast<const uint2*>(src);
         bits[0] = w.x, bits[1] = w.y;
@@ -59,8 +65,8 @@ __device__ __forceinline__ void QuantizeQueryTile(const AttentionParams& p, int6
     uint32_t codes = 0;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) codes |= (static_cast<uint32_t>(QueryCode(x[i], qs)) & 0xffu) << (8 * i);
-    const int rr = r % T::kGroupRows, byte = lane * kPerLane;
-    uint8_t* dst = q_tile + (r / T::kGroupRows) * (T::kQBytes / 2) + rr * T::kInt8RowBytes +
+    const int byte = lane * kPerLane;
+    uint8_t* dst = q_tile + c * (T::kQBytes / 2) + rr * T::kInt8RowBytes +
                    (((byte >> 4) ^ (rr & 7)) << 4) + (byte & 15);
     if constexpr (kPerLane == 4) {
       *reinterpret_cast<uint32_t*>(dst) = codes;

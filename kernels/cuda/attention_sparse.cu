@@ -59,14 +59,53 @@ __device__ __forceinline__ int NextBit(const uint32_t* bits, int words, int from
   return (w << 5) + __ffs(m) - 1;
 }
 
-template <int kDim>
+// The INT8 path's synthetic page: the mean keys of the slice's pooled pages quantized as query rows are
+// (QueryScaleOf / QueryCode over the bf16 values, mma_path.h; the CPU's PooledKeyCodes) into codes
+// [64][d] (an INT8 page's K layout) and the key table (s_k·scale_log2, 0); other rows zero. Warp w
+// takes rows w, w + kWarps, …, lane l channels l·d/32 … .
+template <class T>
+__device__ __forceinline__ void QuantizeMeanKeyRows(const uint16_t* mean_k, unsigned long long member, uint8_t* codes,
+                                                    float2* key_table, float scale_log2) {
+  constexpr int kPerLane = T::kDim / 32;
+  const int lane = threadIdx.x & 31;
+  for (int j = threadIdx.x >> 5; j < kPageTokens; j += T::kWarps) {
+    float x[kPerLane] = {};
+    if (member >> j & 1ull) UnpackBf16(LoadBf16Lanes<kPerLane>(mean_k + j * T::kDim + lane * kPerLane), x);
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) amax = fmaxf(amax, fabsf(x[i]));
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, m));
+    const QueryScale qs = QueryScaleOf(amax);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) codes[j * T::kDim + lane * kPerLane + i] = static_cast<uint8_t>(QueryCode(x[i], qs));
+    if (lane == 0) key_table[j] = make_float2(qs.scale * scale_log2, 0.0f);
+  }
+}
+
+// kInt8Qk: the INT8 MMA path (mma_path.h), as the dense portable kernel runs it: the block's int8 query
+// codes in the K tile's place, their s_q and Σq / s_q, the key table and (pooled pass) the synthetic
+// page's int8 mean keys in the bf16 Q tile's place; S from the raw page's integer codes
+// (ScorePageInt8), so no K tile is decoded.
+template <int kDim, bool kInt8Qk>
 __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKernel(const SparseChunk chunk) {
   using T = SparseTile<kDim>;
+  using L = Int8QkLayout<kDim>;
+  static_assert(L::kQ8Bytes <= T::kTileBytes, "the int8 Q tile fits in the K tile's place");
+  static_assert(2 * kTileQueries * 4 + kPageTokens * 8 + kPageTokens * kDim <= T::kQBytes,
+                "row data, key table and synthetic codes fit in the bf16 Q's place");
   extern __shared__ __align__(128) uint8_t smem[];
   uint16_t* q_tile = reinterpret_cast<uint16_t*>(smem);
   uint16_t* k_tile = reinterpret_cast<uint16_t*>(smem + T::kQBytes);
   uint16_t* v_tile = reinterpret_cast<uint16_t*>(smem + T::kQBytes + T::kTileBytes);
   uint8_t* raw = smem + T::kRawOffset;
+  // The INT8 path's: s_q [128], Σq / s_q [128], the key table [64] (a_j, b_j), the synthetic page's
+  // codes [64][d] (an INT8 page's K layout); the int8 Q tile.
+  float* q_scale = reinterpret_cast<float*>(smem);
+  float* q_sum_over_scale = q_scale + kTileQueries;
+  float2* key_table = reinterpret_cast<float2*>(q_sum_over_scale + kTileQueries);
+  uint8_t* synthetic_codes = reinterpret_cast<uint8_t*>(key_table + kPageTokens);
+  uint8_t* q8 = smem + T::kQBytes;
   __shared__ QueryRuns runs;
   __shared__ float bias[kPageTokens];    // the synthetic page's ln n_j, in S units (÷ scale·log2 e)
   const AttentionParams& p = chunk.attention;
@@ -80,11 +119,15 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
   const float scale_log2 = p.softmax_scale * 1.4426950408889634f;
 
   // ── Prologue: the block's stored queries [64][d] → smem; one run (one sequence) ────────────────
-  for (int u = tid; u < T::kRows * (kDim / 8); u += T::kThreads) {
-    const int r = u / (kDim / 8), c8 = u % (kDim / 8);
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < n_rows) v = *reinterpret_cast<const uint4*>(p.q + (q0 + r) * p.q_stride + head * kDim + c8 * 8);
-    *reinterpret_cast<uint4*>(q_tile + r * T::kPitch + c8 * 8) = v;
+  if constexpr (kInt8Qk) {
+    QuantizeQueryRows<T>(p, QueryTileCoords{head, q0, n_rows, t0}, q8, q_scale, q_sum_over_scale);
+  } else {
+    for (int u = tid; u < T::kRows * (kDim / 8); u += T::kThreads) {
+      const int r = u / (kDim / 8), c8 = u % (kDim / 8);
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < n_rows) v = *reinterpret_cast<const uint4*>(p.q + (q0 + r) * p.q_stride + head * kDim + c8 * 8);
+      *reinterpret_cast<uint4*>(q_tile + r * T::kPitch + c8 * 8) = v;
+    }
   }
   for (int r = tid; r < kTileQueries; r += T::kThreads) runs.q_seq[r] = block.seq_id;
   if (tid == 0) runs.n = 1, runs.seq[0] = block.seq_id, runs.last[0] = static_cast<int>(t0 + n_rows - 1);
@@ -99,26 +142,50 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
   const uint32_t* exact = chunk.attention.route.exact_bits + route;
   const uint32_t* pooled = chunk.attention.route.pooled_bits + route;
   __syncthreads();
+  // The INT8 path's rows g, g + 8 of this warp: s_q and Σq / s_q (the softmax's row scale on that
+  // path; scale_log2 on the bf16 path).
+  float row_scale[1][2] = {{scale_log2, scale_log2}}, q_sums[1][2] = {{0.0f, 0.0f}};
+  if constexpr (kInt8Qk) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + (lane >> 2) + 8 * r;
+      row_scale[0][r] = q_scale[row], q_sums[0][r] = q_sum_over_scale[row];
+    }
+  }
+  // S of a page whose K is in k_tile (bf16) or, on the INT8 path, its integer codes at `codes`.
+  auto score = [&](const uint8_t* codes, PageFormat format) {
+    if constexpr (kInt8Qk) {
+      ScorePageInt8(w, q8, codes, format, key_table, q_sums, row0, lane);
+    } else {
+      ScorePage(w, q_tile, k_tile, row0, lane);
+    }
+  };
 
   // ── 1. Exact pages ───────────────────────────────────────────────────────────────────────────
+  // Page i + 1's copy starts once every warp is done with page i − 1, whose raw stage it overwrites
+  // (the INT8 path reads K's codes from there through the MMAs).
   const int stage_bytes = 2 * p.max_page_bytes;
   int page_index = NextBit(exact, chunk.attention.route.words, 0);
   if (page_index >= 0) LoadPageAsync<T::kThreads, kDim>(p, head, page_index, raw, tid);
   CpAsyncCommit();
   for (int i = 0; page_index >= 0; ++i) {
     const int next = NextBit(exact, chunk.attention.route.words, page_index + 1);
-    // Stage (i+1)&1 held page i−1, decoded before the previous iteration's second barrier.
+    CpAsyncWait<0>();
+    __syncthreads();  // page i's bytes are here; every warp is done with the previous page
     if (next >= 0) LoadPageAsync<T::kThreads, kDim>(p, head, next, raw + ((i + 1) & 1) * stage_bytes, tid);
     CpAsyncCommit();
-    CpAsyncWait<1>();
-    __syncthreads();  // page i's bytes are here; every warp is done with the previous tiles
     const PageDesc page = p.kv.pages[page_index];
+    const PageFormat format = static_cast<PageFormat>(page.format);
     const uint8_t* stage = raw + (i & 1) * stage_bytes;
-    DecodePage<T, false>(stage, static_cast<PageFormat>(page.format), page.n_valid, k_tile);
-    DecodePage<T, true>(stage + p.max_page_bytes, static_cast<PageFormat>(page.format), page.n_valid, v_tile);
+    if constexpr (kInt8Qk) {
+      WriteKeyTable<kDim>(stage, format, scale_log2, key_table);
+    } else {
+      DecodePage<T, false>(stage, format, page.n_valid, k_tile);
+    }
+    DecodePage<T, true>(stage + p.max_page_bytes, format, page.n_valid, v_tile);
     __syncthreads();  // tiles decoded
-    ScorePage(w, q_tile, k_tile, row0, lane);
-    SoftmaxPage(w, p, runs, page, t0, row0, scale_log2, lane);
+    score(stage, format);
+    SoftmaxPageScaled(w, p, runs, page, t0, row0, row_scale, lane);
     AccumulatePv(w, v_tile, lane);
     page_index = next;
   }
@@ -142,30 +209,37 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
       if (member >> j & 1ull) {
         const int64_t at = static_cast<int64_t>(first + j) * kDim + c8 * 8;
         const float inv_n = 1.0f / static_cast<float>(p.kv.pages[first + j].n_valid);
-        k8 = *reinterpret_cast<const uint4*>(mean_k + at);  // 8 bf16 mean keys, as stored
+        if constexpr (!kInt8Qk) k8 = *reinterpret_cast<const uint4*>(mean_k + at);  // 8 bf16 mean keys, as stored
         const uint4 vs = *reinterpret_cast<const uint4*>(v_sum + at);  // 8 bf16 V sums
         auto mean2 = [&](uint32_t two) { return PackBf16(Bf16Lo(two) * inv_n, Bf16Hi(two) * inv_n); };
         v8 = make_uint4(mean2(vs.x), mean2(vs.y), mean2(vs.z), mean2(vs.w));
       }
-      *reinterpret_cast<uint4*>(k_tile + j * T::kPitch + c8 * 8) = k8;
+      if constexpr (!kInt8Qk) *reinterpret_cast<uint4*>(k_tile + j * T::kPitch + c8 * 8) = k8;
       *reinterpret_cast<uint4*>(v_tile + j * T::kPitch + c8 * 8) = v8;
     }
+    if constexpr (kInt8Qk) QuantizeMeanKeyRows<T>(mean_k + static_cast<int64_t>(first) * kDim, member, synthetic_codes,
+                                                  key_table, scale_log2);
     for (int j = tid; j < kPageTokens; j += T::kThreads) {  // pages of the slice the block does not pool: −∞
       bias[j] = member >> j & 1ull ? log2f(static_cast<float>(p.kv.pages[first + j].n_valid)) / scale_log2 : -INFINITY;
     }
     __syncthreads();
-    ScorePage(w, q_tile, k_tile, row0, lane);
-    const int t = lane & 3;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) w.s[0][n][e] += bias[n * 8 + 2 * t + (e & 1)];
-    }
     PageDesc synthetic{};
     synthetic.token_begin = 0;
     synthetic.seq_id = block.seq_id;
     synthetic.n_valid = static_cast<uint16_t>(count);
-    SoftmaxPage(w, pooled_params, runs, synthetic, t0, row0, scale_log2, lane);
+    score(synthetic_codes, PageFormat::kInt8);
+    // The bias in S units: ÷ scale·log2 e on the bf16 path, ÷ s_q (the row scale) on the INT8 path.
+    const int t = lane & 3;
+    const float to_s[2] = {scale_log2 / row_scale[0][0], scale_log2 / row_scale[0][1]};
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float b = bias[n * 8 + 2 * t + (e & 1)];
+        w.s[0][n][e] += kInt8Qk ? b * to_s[e >> 1] : b;
+      }
+    }
+    SoftmaxPageScaled(w, pooled_params, runs, synthetic, t0, row0, row_scale, lane);
     AccumulatePv(w, v_tile, lane);
   }
 
@@ -174,12 +248,13 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
   StoreWarpRows(w, p, smem, tile, row0, lane);
 }
 
-template <int kDim>
+template <int kDim, bool kInt8Qk>
 Error Launch(const SparseChunk& chunk, cudaStream_t stream) {
   using T = SparseTile<kDim>;
   const int smem = T::kRawOffset + 2 * 2 * chunk.attention.max_page_bytes;
-  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(SparseAttentionKernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  SparseAttentionKernel<kDim><<<dim3(chunk.attention.route.n_blocks, chunk.attention.kv.n_heads), T::kThreads, smem, stream>>>(chunk);
+  auto kernel = SparseAttentionKernel<kDim, kInt8Qk>;
+  KVPACK_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<dim3(chunk.attention.route.n_blocks, chunk.attention.kv.n_heads), T::kThreads, smem, stream>>>(chunk);
   KVPACK_CUDA_RETURN_LAUNCH("sparse attention");
   return Error::Ok();
 }
@@ -189,11 +264,12 @@ Error Launch(const SparseChunk& chunk, cudaStream_t stream) {
 Error LaunchSparseAttention(const SparseChunk& chunk, cudaStream_t stream) {
   if (chunk.attention.route.n_blocks <= 0) return Error::Ok();
   if (chunk.attention.tiling == AttentionTilingChoice::kWgmma) return LaunchAttentionSm90(chunk.attention, stream);
+  const bool int8 = chunk.attention.mma == MmaPath::kInt8;
   switch (chunk.attention.kv.head_dim) {
     case 64:
-      return Launch<64>(chunk, stream);
+      return int8 ? Launch<64, true>(chunk, stream) : Launch<64, false>(chunk, stream);
     case 128:
-      return Launch<128>(chunk, stream);
+      return int8 ? Launch<128, true>(chunk, stream) : Launch<128, false>(chunk, stream);
     default:
       return Unsupported("sparse attention: head_dim must be 64 or 128");
   }

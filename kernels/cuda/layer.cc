@@ -275,10 +275,9 @@ Error AttendSparse(const LayerConfig& c, const LayerTensors& t, const KvEntryVie
   SparseChunk chunk;
   AttentionParams& a = chunk.attention;
   a = BaseAttentionParams(c, kv, q);
-  // The wgmma kernel's routed instance where the GPU runs it, else the portable kernel; bf16 MMAs.
-  MmaPath dense_mma;
-  KVPACK_RETURN_IF_ERROR(ResolveLayerKernel(c, ctx.attention_tiling, &a.tiling, &dense_mma));
-  a.mma = MmaPath::kBf16;
+  // The wgmma kernel's routed instance where the GPU runs it, else the portable kernel; the layer's
+  // MMA path (ConfigMmaPath), as on the dense path.
+  KVPACK_RETURN_IF_ERROR(ResolveLayerKernel(c, ctx.attention_tiling, &a.tiling, &a.mma));
   chunk.options = c.attention.sparse;
   BindSparseRegion(r, region, &chunk);
   chunk.n_ranges = static_cast<int>(c.ranges.size());

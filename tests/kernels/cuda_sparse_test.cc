@@ -6,9 +6,11 @@
 //   - page statistics (bf16 mean keys and V sums) equal cpu::ComputePageStats bit for bit;
 //   - the routing of every (query block, head) — exact and pooled pages — equals cpu::RoutePages
 //     exactly, and the tallies equal the CPU's; top-k and rel-tau, causal and not, tail on and off;
-//   - outputs vs cpu::AttendChunkSparse: rel L2 ≤ kSparseVsCpuRelL2, worst head cosine ≥ kSparseMinCos.
+//   - outputs vs cpu::AttendChunkSparse: rel L2 ≤ kSparseVsCpuRelL2, worst head cosine ≥ kSparseMinCos;
+//   on both MMA paths (bf16; INT8, which the CPU emulates) and both kernels (mma.sync, wgmma routed).
 // Layer level (x and W in, bf16 out, several query chunks, in place): every page routed equals the
-// GPU's dense layer; top-k 20 % + tail close to the CPU layer's sparse output, routed fractions close.
+// GPU's dense layer; top-k 20 % + tail close to the CPU layer's sparse output, routed fractions close,
+// on bf16 MMAs and on the layer's default (INT8) path.
 // Memory (no GPU needed): the H3 sparse layer in place fits issue 13's 1.3 GiB.
 #include "kernels/cuda/sparse.h"
 
@@ -94,15 +96,19 @@ struct KernelCase {
   bool causal;
   SparseOptions sparse;
   int tokens = 1000;
+  // The INT8 MMA path (mma_path.h): the text range in INT8 instead of BF16 (which keeps an entry on
+  // bf16 MMAs) and attention.mma = kInt8, on both sides.
+  bool int8 = false;
 };
 
 TestLayer KernelLayer(const KernelCase& c) {
   TestLayer L = MakeTestLayer(c.tokens, 64, c.heads, c.dim, 97, PageFormat::kInt4);
   // Text (BF16, always attended), video INT4 with a partial page, a second sequence in INT8.
   const int split = c.tokens * 7 / 10;
-  L.config.ranges = {{0, 77, 0, PageFormat::kBf16, /*always_attend=*/true},
+  L.config.ranges = {{0, 77, 0, c.int8 ? PageFormat::kInt8 : PageFormat::kBf16, /*always_attend=*/true},
                      {77, split, 0, PageFormat::kInt4},
                      {split, c.tokens, 1, PageFormat::kInt8}};
+  L.config.attention.mma = c.int8 ? MmaPath::kInt8 : MmaPath::kAuto;
   L.config.attention.causal = c.causal;
   L.config.attention.sparse = c.sparse;
   L.config.attention.sparse.enabled = true;
@@ -191,6 +197,8 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
   a.softmax_scale = scale;
   a.visibility.causal = c.causal;
   a.tiling = tiling;
+  a.mma = ConfigMmaPath(cfg);  // what cpu::AttendChunkSparse emulates
+  ASSERT_EQ(a.mma, c.int8 ? MmaPath::kInt8 : MmaPath::kBf16);
   for (const TokenRange& range : cfg.ranges) a.max_page_bytes = std::max(a.max_page_bytes, PageBytes(range.format, d));
   chunk.options = cfg.attention.sparse;
   chunk.attention.route.first_page = 0, chunk.attention.route.n_blocks = P;
@@ -231,10 +239,10 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
   const double rel = RelL2(gpu_out, cpu_out);
   double worst = 0.0, mean = 0.0;
   HeadCosines(gpu_out, cpu_out, n, heads, d, &worst, &mean);
-  std::printf("[%s, %s] routes identical to the CPU's: %s (%lld of %lld differ); routed fraction %.4f (exact %lld, pooled "
+  std::printf("[%s, %s, %s MMAs] routes identical to the CPU's: %s (%lld of %lld differ); routed fraction %.4f (exact %lld, pooled "
               "%lld of %lld visible); vs cpu::AttendChunkSparse rel L2 %.5f (tol %.3f), head cosine mean %.6f worst "
               "%.6f (min %.4f)\n",
-              c.name, KernelName(tiling), routes_differ == 0 ? "yes" : "NO", static_cast<long long>(routes_differ),
+              c.name, KernelName(tiling), MmaPathName(a.mma), routes_differ == 0 ? "yes" : "NO", static_cast<long long>(routes_differ),
               static_cast<long long>(n_blocks) * heads, cpu_report.RoutedFraction(), static_cast<long long>(tallies[1]),
               static_cast<long long>(tallies[2]), static_cast<long long>(tallies[0]), rel, kSparseVsCpuRelL2, mean,
               worst, kSparseMinCos);
@@ -292,6 +300,33 @@ TEST(CudaSparse, TailOffCausalD128MatchesTheCpu) {
   RunKernelCaseEachKernel({"topk 0.1 tail off causal, d 128, 2 sinks", 2, 128, true, s});
 }
 
+// The INT8 MMA path: S from the queries' int8 codes and the pages' integer codes, the pooled pages'
+// mean keys quantized as query rows (cpu/sparse_attention.h), on both kernels.
+TEST(CudaSparse, Int8MmaTopKD128MatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  SparseOptions s;
+  s.topk_ratio = 0.2f;
+  s.sink_pages = 1;
+  KernelCase c{"topk 0.2, d 128, 1 sink", 2, 128, false, s};
+  c.int8 = true;
+  RunKernelCaseEachKernel(c);
+  c = {"topk 0.3, 8192 tokens, d 128", 2, 128, false, s, 8192};
+  c.sparse.topk_ratio = 0.3f;
+  c.int8 = true;
+  RunKernelCaseEachKernel(c);
+}
+
+TEST(CudaSparse, Int8MmaRelTauCausalD64MatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  SparseOptions s;
+  s.mode = SparseMode::kRelTau;
+  s.rel_tau = 1.0f;
+  s.min_exact_pages = 4;
+  KernelCase c{"rel-tau 1.0 causal, d 64, floor 4", 3, 64, true, s};
+  c.int8 = true;
+  RunKernelCaseEachKernel(c);
+}
+
 // ── Layer level ─────────────────────────────────────────────────────────────────────────────────
 
 struct LayerRun {
@@ -322,12 +357,12 @@ void RunGpuLayer(TestLayer L, LayerRun* run, AttentionTilingChoice tiling = Atte
   ASSERT_CUDA(cudaMemcpy(run->out.data(), x.as<void>(), n * hd * 2, cudaMemcpyDeviceToHost));
 }
 
-TestLayer LayerCase(bool sparse, float topk) {
+TestLayer LayerCase(bool sparse, float topk, MmaPath mma = MmaPath::kBf16) {
   TestLayer L = MakeTestLayer(1100, 256, 2, 128, 5, PageFormat::kInt4);  // in place: hidden = H·d
   L.config.ranges = {{0, 100, 0, PageFormat::kInt8, true}, {100, 1100, 0, PageFormat::kInt4}};
   L.config.in_place = true;
   L.config.query_chunk = 300;  // four chunks, each ending on a page end
-  L.config.attention.mma = MmaPath::kBf16;  // the sparse kernels' arithmetic, for the dense comparison
+  L.config.attention.mma = mma;  // kBf16 unless asked: the dense comparison's exact arithmetic
   L.config.attention.sparse.enabled = sparse;
   L.config.attention.sparse.topk_ratio = topk;
   L.config.attention.sparse.sink_pages = 1;
@@ -347,19 +382,19 @@ TEST(CudaSparse, LayerWithEveryPageRoutedEqualsTheDenseLayer) {
   EXPECT_EQ(all.report.pooled_pages, 0);
 }
 
-void LayerTopK20(AttentionTilingChoice tiling) {
+void LayerTopK20(AttentionTilingChoice tiling, MmaPath mma = MmaPath::kBf16) {
   LayerRun gpu, dense;
-  RunGpuLayer(LayerCase(true, 0.2f), &gpu, tiling);
-  RunGpuLayer(LayerCase(false, 1.0f), &dense);
-  TestLayer L = LayerCase(true, 0.2f);
+  RunGpuLayer(LayerCase(true, 0.2f, mma), &gpu, tiling);
+  RunGpuLayer(LayerCase(false, 1.0f, mma), &dense);
+  TestLayer L = LayerCase(true, 0.2f, mma);
   std::vector<uint8_t> kv(cpu::KvBytes(L.config)), ws(cpu::WorkspaceBytes(L.config));
   SparseReport cpu_report;
   ASSERT_TRUE(cpu::RunLayer(L.config, L.Tensors(), kv.data(), ws.data(), cpu::CpuOptions{}, nullptr, &cpu_report).ok());
   const double rel = RelL2(gpu.out, L.x);
   const double vs_dense = RelL2(gpu.out, dense.out);
-  std::printf("[layer, top-k 0.2 + tail, 4 chunks, tiling %s] vs cpu::RunLayer: rel L2 %.5f (tol %.3f); routed fraction "
+  std::printf("[layer, top-k 0.2 + tail, 4 chunks, tiling %s, %s MMAs] vs cpu::RunLayer: rel L2 %.5f (tol %.3f); routed fraction "
               "GPU %.4f CPU %.4f; vs the dense GPU layer: rel L2 %.5f\n",
-              tiling == AttentionTilingChoice::kMmaSync ? "mma_sync" : "auto", rel, kLayerVsCpuRelL2, gpu.report.RoutedFraction(), cpu_report.RoutedFraction(), vs_dense);
+              tiling == AttentionTilingChoice::kMmaSync ? "mma_sync" : "auto", MmaPathName(ConfigMmaPath(L.config)), rel, kLayerVsCpuRelL2, gpu.report.RoutedFraction(), cpu_report.RoutedFraction(), vs_dense);
   EXPECT_LE(rel, kLayerVsCpuRelL2);
   EXPECT_NEAR(gpu.report.RoutedFraction(), cpu_report.RoutedFraction(), kLayerRoutedFractionDiff);
   EXPECT_EQ(gpu.report.visible_pages, cpu_report.visible_pages);
@@ -369,6 +404,15 @@ TEST(CudaSparse, LayerTopK20MatchesTheCpuLayer) {
   SKIP_WITHOUT_GPU();
   LayerTopK20(AttentionTilingChoice::kAuto);      // the wgmma routed instance on Hopper
   LayerTopK20(AttentionTilingChoice::kMmaSync);   // the portable kernel
+}
+
+// The layer's default MMA path (kAuto: INT8 at d = 128 on a rotated entry) against the CPU layer,
+// which emulates it.
+TEST(CudaSparse, LayerTopK20Int8MmaMatchesTheCpuLayer) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_EQ(ConfigMmaPath(LayerCase(true, 0.2f, MmaPath::kAuto).config), MmaPath::kInt8);
+  LayerTopK20(AttentionTilingChoice::kAuto, MmaPath::kAuto);
+  LayerTopK20(AttentionTilingChoice::kMmaSync, MmaPath::kAuto);
 }
 
 // Issue 13's memory target, by the planner's own figures (no GPU needed): the H3 sparse layer in place
