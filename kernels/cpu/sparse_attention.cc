@@ -51,7 +51,8 @@ void FoldPooled(TileState* state, int i, int d, float s, float count, const uint
   state->m[i] = m_new;
 }
 
-// The INT8 path's pooled key (mma_path.h): the bf16 mean key quantized as a query row is.
+}  // namespace
+
 float PooledKeyCodes(const uint16_t* mean_k, int d, int8_t* codes) {
   float amax = 0.0f;
   for (int c = 0; c < d; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(mean_k[c])));
@@ -59,8 +60,6 @@ float PooledKeyCodes(const uint16_t* mean_k, int d, int8_t* codes) {
   for (int c = 0; c < d; ++c) codes[c] = QueryCode(Bf16ToFloat(mean_k[c]), s);
   return s.scale;
 }
-
-}  // namespace
 
 uint64_t PageStatsBytes(int n_heads, int head_dim, int n_pages) {
   return 2ull * sizeof(uint16_t) * static_cast<uint64_t>(n_heads) * static_cast<uint64_t>(n_pages) *

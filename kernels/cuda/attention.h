@@ -70,6 +70,10 @@ struct AttentionParams {
     int n_blocks = 0;
     uint16_t* mean_k = nullptr;       // [H, pages, d] bf16 page statistics (written by LaunchPageStats)
     uint16_t* v_sum = nullptr;        // [H, pages, d] bf16
+    // The INT8 MMA path's pooled keys: mean_k quantized as query rows are (mma_path.h), codes
+    // [H, pages, d] and s_k [H, pages], written by LaunchPageStats; null on the bf16 path.
+    int8_t* mean_codes = nullptr;
+    float* mean_scales = nullptr;
   } route;
 };
 

@@ -7,7 +7,6 @@
 
 #include "kernels/cuda/attention_device.cuh"
 #include "kernels/cuda/attention_sm90_pages.cuh"
-#include "kernels/mma_path.h"
 
 namespace kvpack::cuda::sm90 {
 
@@ -20,7 +19,7 @@ namespace kvpack::cuda::sm90 {
 // (PageDesc::reserved = kSyntheticPage): synthetic page i is the slice of pages 64·i … 64·i + 63 of the
 // head, its K rows their mean keys and its V rows their V sums (the stored bf16 statistics, [H, P, d],
 // so a slice is contiguous), copied by the producers straight into the tiles (on the INT8 MMA path
-// the mean keys quantized as query rows are: QuantizeMeanKeys); key j counts n_j tokens
+// K from the mean keys' int8 codes, AttentionParams::Route::mean_codes); key j counts n_j tokens
 // in the softmax sum (weight) and is masked where the block does not pool its page. Slices that the
 // block does not pool are skipped. (Compacting the pooled pages instead, as session 8 did, took one
 // warp's serial scan and a dependent descriptor load per pooled page: a synthetic page cost ~7 exact
@@ -101,48 +100,10 @@ __device__ __forceinline__ int NextPooledSlice(const PooledBits& pooled, int n_p
   return slice;
 }
 
-// The INT8 MMA path's K tile of a synthetic page: each mean key row quantized as a query row is
-// (QueryScaleOf / QueryCode over its bf16 values, mma_path.h; the CPU's PooledKeyCodes) into the int8
-// tile's layout (Int8KUnits: the kDim/16 threads of a row, adjacent lanes, share its maximum), its
-// key table (s_k·c, 0). Rows past `count` are zero codes.
-template <int kDim>
-__device__ __forceinline__ void QuantizeMeanKeys(const uint16_t* mean_k, int count, uint8_t* k_tile, float2* keys,
-                                                 float scale_log2, int ptid) {
-  using KU = Int8KUnits<kDim>;
-  const KU ku(ptid);
-#pragma unroll
-  for (int r = 0; r < KU::kRowSteps; ++r) {
-    const int row = ku.Row(r);
-    uint4 half[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};  // channels 16·chunk … + 15, bf16
-    if (row < count) {
-      const uint4* src = reinterpret_cast<const uint4*>(mean_k + row * kDim + ku.chunk * 16);
-      half[0] = src[0], half[1] = src[1];
-    }
-    float x[16];
-    float amax = 0.0f;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t w[4] = {half[h].x, half[h].y, half[h].z, half[h].w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) x[h * 8 + 2 * k] = __uint_as_float(w[k] << 16), x[h * 8 + 2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
-#pragma unroll
-    for (int m = 1; m < KU::kChunks; m <<= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, m));
-    const QueryScale qs = QueryScaleOf(amax);
-    uint32_t codes[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) codes[i / 4] |= (static_cast<uint32_t>(QueryCode(x[i], qs)) & 0xffu) << (8 * (i % 4));
-    *reinterpret_cast<uint4*>(k_tile + ku.TileOffset(r)) = make_uint4(codes[0], codes[1], codes[2], codes[3]);
-    if (ku.chunk == 0) keys[row] = make_float2(qs.scale * scale_log2, 0.0f);
-  }
-}
-
 // All producer threads: synthetic page `slice` into stage s — its tiles copied from the bf16
 // statistics by 16-byte asynchronous copies (rows past the slice's pages zero-filled; on the INT8 MMA
-// path K is quantized instead, QuantizeMeanKeys), its key table (bf16 keys: a_j = c, b_j = 0),
-// weights, member mask and descriptor. The tiles are complete for the wgmma once every producer
+// path K from the mean keys' int8 codes, in the int8 tile's layout: Int8KUnits), its key table (bf16
+// keys: a_j = c, b_j = 0; int8 codes: a_j = s_k·c), weights, member mask and descriptor. The tiles are complete for the wgmma once every producer
 // thread has passed its wait and proxy fence.
 template <int kDim, int kStages, bool kInt8Qk>
 __device__ void BuildSyntheticPage(const AttentionParams& p, int head, const PooledBits& pooled, int slice, int s,
@@ -163,11 +124,19 @@ __device__ void BuildSyntheticPage(const AttentionParams& p, int head, const Poo
       CpAsync16Fill(v_tile + u.TileOffset(r, b), p.route.v_sum + unit, bytes);
     }
   }
-  CpAsyncCommit();
   if constexpr (kInt8Qk) {
-    QuantizeMeanKeys<kDim>(p.route.mean_k + at, count, k_tile, keys, scale_log2, ptid);
-  } else if (ptid < kPageTokens) {
-    keys[ptid] = make_float2(scale_log2, 0.0f);
+    using KU = Int8KUnits<kDim>;
+    const KU ku(ptid);
+#pragma unroll
+    for (int r = 0; r < KU::kRowSteps; ++r) {
+      const int row = ku.Row(r) < count ? ku.Row(r) : 0, bytes = ku.Row(r) < count ? 16 : 0;
+      CpAsync16Fill(k_tile + ku.TileOffset(r), p.route.mean_codes + at + row * kDim + ku.chunk * 16, bytes);
+    }
+  }
+  CpAsyncCommit();
+  if (ptid < kPageTokens) {
+    const float a = kInt8Qk && ptid < count ? p.route.mean_scales[at / kDim + ptid] : 1.0f;
+    keys[ptid] = make_float2(a * scale_log2, 0.0f);
   }
   if (ptid < kPageTokens) state.weight[s][ptid] = ptid < count ? static_cast<uint8_t>(p.kv.pages[first + ptid].n_valid) : 0;
   if (ptid == 0) {

@@ -59,33 +59,9 @@ __device__ __forceinline__ int NextBit(const uint32_t* bits, int words, int from
   return (w << 5) + __ffs(m) - 1;
 }
 
-// The INT8 path's synthetic page: the mean keys of the slice's pooled pages quantized as query rows are
-// (QueryScaleOf / QueryCode over the bf16 values, mma_path.h; the CPU's PooledKeyCodes) into codes
-// [64][d] (an INT8 page's K layout) and the key table (s_k·scale_log2, 0); other rows zero. Warp w
-// takes rows w, w + kWarps, …, lane l channels l·d/32 … .
-template <class T>
-__device__ __forceinline__ void QuantizeMeanKeyRows(const uint16_t* mean_k, unsigned long long member, uint8_t* codes,
-                                                    float2* key_table, float scale_log2) {
-  constexpr int kPerLane = T::kDim / 32;
-  const int lane = threadIdx.x & 31;
-  for (int j = threadIdx.x >> 5; j < kPageTokens; j += T::kWarps) {
-    float x[kPerLane] = {};
-    if (member >> j & 1ull) UnpackBf16(LoadBf16Lanes<kPerLane>(mean_k + j * T::kDim + lane * kPerLane), x);
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) amax = fmaxf(amax, fabsf(x[i]));
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, m));
-    const QueryScale qs = QueryScaleOf(amax);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) codes[j * T::kDim + lane * kPerLane + i] = static_cast<uint8_t>(QueryCode(x[i], qs));
-    if (lane == 0) key_table[j] = make_float2(qs.scale * scale_log2, 0.0f);
-  }
-}
-
 // kInt8Qk: the INT8 MMA path (mma_path.h), as the dense portable kernel runs it: the block's int8 query
 // codes in the K tile's place, their s_q and Σq / s_q, the key table and (pooled pass) the synthetic
-// page's int8 mean keys in the bf16 Q tile's place; S from the raw page's integer codes
+// page's int8 mean-key codes (AttentionParams::Route::mean_codes) in the bf16 Q tile's place; S from the raw page's integer codes
 // (ScorePageInt8), so no K tile is decoded.
 template <int kDim, bool kInt8Qk>
 __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKernel(const SparseChunk chunk) {
@@ -217,8 +193,18 @@ __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKer
       if constexpr (!kInt8Qk) *reinterpret_cast<uint4*>(k_tile + j * T::kPitch + c8 * 8) = k8;
       *reinterpret_cast<uint4*>(v_tile + j * T::kPitch + c8 * 8) = v8;
     }
-    if constexpr (kInt8Qk) QuantizeMeanKeyRows<T>(mean_k + static_cast<int64_t>(first) * kDim, member, synthetic_codes,
-                                                  key_table, scale_log2);
+    if constexpr (kInt8Qk) {  // the pooled pages' mean-key codes (LaunchPageStats) and their s_k
+      const int8_t* codes = chunk.attention.route.mean_codes + (static_cast<int64_t>(head) * p.kv.n_pages + first) * kDim;
+      for (int u = tid; u < kPageTokens * (kDim / 16); u += T::kThreads) {
+        const int j = u / (kDim / 16), c16 = u % (kDim / 16);
+        const uint4 v = member >> j & 1ull ? *reinterpret_cast<const uint4*>(codes + j * kDim + c16 * 16) : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(synthetic_codes + j * kDim + c16 * 16) = v;
+      }
+      const float* s_k = chunk.attention.route.mean_scales + static_cast<int64_t>(head) * p.kv.n_pages + first;
+      for (int j = tid; j < kPageTokens; j += T::kThreads) {
+        key_table[j] = make_float2((member >> j & 1ull ? s_k[j] : 1.0f) * scale_log2, 0.0f);
+      }
+    }
     for (int j = tid; j < kPageTokens; j += T::kThreads) {  // pages of the slice the block does not pool: −∞
       bias[j] = member >> j & 1ull ? log2f(static_cast<float>(p.kv.pages[first + j].n_valid)) / scale_log2 : -INFINITY;
     }

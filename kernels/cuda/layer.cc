@@ -291,7 +291,7 @@ Error AttendSparse(const LayerConfig& c, const LayerTensors& t, const KvEntryVie
   KVPACK_CUDA_RETURN(cudaMemcpyAsync(region + r.flags, flags.data(), flags.size(), cudaMemcpyHostToDevice, ctx.stream));
   KVPACK_CUDA_RETURN(cudaMemsetAsync(chunk.tallies, 0, 3 * sizeof(unsigned long long), ctx.stream));
   KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::routing_ms, [&] {
-    return LaunchPageStats(kv, chunk.attention.route.mean_k, chunk.attention.route.v_sum, ctx.stream);
+    return LaunchPageStats(kv, chunk.attention.route, ctx.stream);
   }));
 
   const std::vector<PageDesc> pages = BuildPageLayout(c.ranges);

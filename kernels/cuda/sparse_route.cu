@@ -10,6 +10,7 @@
 
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/sparse.h"
+#include "kernels/mma_path.h"
 #include "kernels/page_codec.h"
 #include "kernels/sparse_plan.h"
 #include "kernels/visibility.h"
@@ -18,6 +19,7 @@ namespace kvpack::cuda {
 namespace {
 
 constexpr int kRouteThreads = 256;
+constexpr int kMaxHeadDimGpu = 128;
 uint64_t AlignUp(uint64_t v) { return (v + 255) / 256 * 256; }
 
 int SortSize(int n_pages) {
@@ -50,8 +52,10 @@ __device__ __forceinline__ float DecodeElement(const uint8_t* page, int d, int s
 }
 
 // One CTA per (page, head), one thread per channel: the slots in order, in double; rounded to float,
-// then to bf16 (format.h's FloatToBf16, the CPU's very code).
-__global__ void PageStatsKernel(const KvEntryView kv, uint16_t* mean_k, uint16_t* v_sum) {
+// then to bf16 (format.h's FloatToBf16, the CPU's very code). With mean_codes (the INT8 MMA path),
+// the bf16 mean key is then quantized as a query row is (QueryScaleOf / QueryCode over the CTA's d
+// values: the CPU's PooledKeyCodes): codes [H, P, d] int8 and s_k [H, P].
+__global__ void PageStatsKernel(const KvEntryView kv, AttentionParams::Route route) {
   const int pg = blockIdx.x, h = blockIdx.y, c = threadIdx.x, d = kv.head_dim;
   const int64_t item = static_cast<int64_t>(h) * kv.n_pages + pg;
   const PageDesc page = kv.pages[pg];
@@ -66,8 +70,20 @@ __global__ void PageStatsKernel(const KvEntryView kv, uint16_t* mean_k, uint16_t
     }
     return 0;
   });
-  mean_k[item * d + c] = FloatToBf16(static_cast<float>(k_acc / page.n_valid));
-  v_sum[item * d + c] = FloatToBf16(static_cast<float>(v_acc));
+  const uint16_t mean = FloatToBf16(static_cast<float>(k_acc / page.n_valid));
+  route.mean_k[item * d + c] = mean;
+  route.v_sum[item * d + c] = FloatToBf16(static_cast<float>(v_acc));
+  if (route.mean_codes == nullptr) return;  // uniform: the bf16 path
+  __shared__ float warp_max[kMaxHeadDimGpu / 32];
+  const float x = Bf16ToFloat(mean);
+  float amax = fabsf(x);
+  for (int m = 16; m > 0; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+  if ((c & 31) == 0) warp_max[c >> 5] = amax;
+  __syncthreads();
+  for (int w = 0; w < d / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+  const QueryScale qs = QueryScaleOf(amax);
+  route.mean_codes[item * d + c] = QueryCode(x, qs);
+  if (c == 0) route.mean_scales[item] = qs.scale;
 }
 
 // ── Routing ─────────────────────────────────────────────────────────────────────────────────────
@@ -399,10 +415,14 @@ SparseRegion PlanSparseRegion(const LayerConfig& c) {
   if (!c.attention.sparse.enabled) return r;
   const uint64_t P = SparsePageCount(c), H = c.shape.n_heads, d = c.shape.head_dim;
   const uint64_t blocks = SparseBlocksPerChunk(c);
+  const bool codes = ConfigMmaPath(c) == MmaPath::kInt8;
+  r.codes = codes;
   r.words = static_cast<int>((P + 31) / 32);
   r.mean_k = 0;
   r.v_sum = AlignUp(r.mean_k + H * P * d * sizeof(uint16_t));
-  r.flags = AlignUp(r.v_sum + H * P * d * sizeof(uint16_t));
+  r.mean_codes = AlignUp(r.v_sum + H * P * d * sizeof(uint16_t));
+  r.mean_scales = AlignUp(r.mean_codes + (codes ? H * P * d : 0));
+  r.flags = AlignUp(r.mean_scales + (codes ? H * P * sizeof(float) : 0));
   r.exact_bits = AlignUp(r.flags + c.ranges.size());
   r.pooled_bits = AlignUp(r.exact_bits + blocks * H * r.words * sizeof(uint32_t));
   r.tallies = AlignUp(r.pooled_bits + blocks * H * r.words * sizeof(uint32_t));
@@ -416,6 +436,9 @@ void BindSparseRegion(const SparseRegion& r, uint8_t* region, SparseChunk* chunk
   AttentionParams::Route& route = chunk->attention.route;
   route.mean_k = reinterpret_cast<uint16_t*>(region + r.mean_k);
   route.v_sum = reinterpret_cast<uint16_t*>(region + r.v_sum);
+  const bool codes = r.codes;
+  route.mean_codes = codes ? reinterpret_cast<int8_t*>(region + r.mean_codes) : nullptr;
+  route.mean_scales = codes ? reinterpret_cast<float*>(region + r.mean_scales) : nullptr;
   route.exact_bits = reinterpret_cast<uint32_t*>(region + r.exact_bits);
   route.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
   route.words = r.words;
@@ -436,9 +459,10 @@ Error SparseSupported(const LayerConfig& c) {
   return Error::Ok();
 }
 
-Error LaunchPageStats(const KvEntryView& kv, uint16_t* mean_k, uint16_t* v_sum, cudaStream_t stream) {
+Error LaunchPageStats(const KvEntryView& kv, const AttentionParams::Route& route, cudaStream_t stream) {
   if (kv.n_pages <= 0) return Error::Ok();
-  PageStatsKernel<<<dim3(kv.n_pages, kv.n_heads), kv.head_dim, 0, stream>>>(kv, mean_k, v_sum);
+  if (kv.head_dim % 32 != 0 || kv.head_dim > kMaxHeadDimGpu) return Unsupported("sparse attention: head_dim must be 64 or 128");
+  PageStatsKernel<<<dim3(kv.n_pages, kv.n_heads), kv.head_dim, 0, stream>>>(kv, route);
   KVPACK_CUDA_RETURN_LAUNCH("sparse page statistics");
   return Error::Ok();
 }

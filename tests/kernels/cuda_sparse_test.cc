@@ -204,7 +204,8 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
   chunk.attention.route.first_page = 0, chunk.attention.route.n_blocks = P;
   BindSparseRegion(r, region, &chunk);
   chunk.n_ranges = static_cast<int>(flags.size());
-  ASSERT_OK(LaunchPageStats(a.kv, chunk.attention.route.mean_k, chunk.attention.route.v_sum, nullptr));
+  ASSERT_EQ(chunk.attention.route.mean_codes != nullptr, c.int8) << "the region plans codes on the INT8 path only";
+  ASSERT_OK(LaunchPageStats(a.kv, chunk.attention.route, nullptr));
   ASSERT_OK(LaunchRoutePages(chunk, nullptr));
   ASSERT_OK(LaunchSparseAttention(chunk, nullptr));
   ASSERT_CUDA(cudaDeviceSynchronize());
@@ -222,6 +223,17 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
 
   EXPECT_EQ(0, std::memcmp(gpu_mean_k.data(), cpu_mean_k.data(), cpu_mean_k.size() * 2)) << "mean_k bits";
   EXPECT_EQ(0, std::memcmp(gpu_v_sum.data(), cpu_v_sum.data(), cpu_v_sum.size() * 2)) << "v_sum bits";
+  if (c.int8) {  // the pooled keys' codes and scales: cpu::PooledKeyCodes's bits
+    std::vector<int8_t> gpu_codes(cpu_mean_k.size()), cpu_codes(cpu_mean_k.size());
+    std::vector<float> gpu_scales(static_cast<size_t>(heads) * P), cpu_scales(gpu_scales.size());
+    ASSERT_CUDA(cudaMemcpy(gpu_codes.data(), chunk.attention.route.mean_codes, gpu_codes.size(), cudaMemcpyDeviceToHost));
+    ASSERT_CUDA(cudaMemcpy(gpu_scales.data(), chunk.attention.route.mean_scales, gpu_scales.size() * 4, cudaMemcpyDeviceToHost));
+    for (size_t row = 0; row < cpu_scales.size(); ++row) {
+      cpu_scales[row] = cpu::PooledKeyCodes(cpu_mean_k.data() + row * d, d, cpu_codes.data() + row * d);
+    }
+    EXPECT_EQ(0, std::memcmp(gpu_codes.data(), cpu_codes.data(), cpu_codes.size())) << "mean-key code bits";
+    EXPECT_EQ(0, std::memcmp(gpu_scales.data(), cpu_scales.data(), cpu_scales.size() * 4)) << "mean-key scale bits";
+  }
   int64_t routes_differ = 0;
   for (int64_t item = 0; item < static_cast<int64_t>(P) * heads; ++item) {
     if (!LeadsQueryBlock(host.pages, P, static_cast<int>(item / heads))) continue;
