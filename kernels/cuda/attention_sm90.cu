@@ -121,34 +121,17 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
     uint32_t raw_phase = 0;  // bit st: the parity of raw stage st's next completion
     const uint32_t exponent = bf16_exponent;
     const int n_raw = Sm90RawStages<kDim, kStages, kInt8Qk>(p.max_page_bytes);  // the launch sized for these
-    const int n_end = kRouted ? n_pages + T::kWindow : n_pages;  // routed: one more pass, the pooled pages
-    for (int w0 = 0; w0 < n_end; w0 += T::kWindow) {
-      const bool synthetic = kRouted && w0 >= n_pages;
+    for (int w0 = 0; w0 < n_pages; w0 += T::kWindow) {
       const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
       int n_visible;
       if constexpr (kRouted) {
-        n_visible = synthetic ? routed.n_synthetic : CollectRoutedPages(p, head, w0, wn, scratch);
+        n_visible = CollectRoutedPages(p, head, w0, wn, scratch);
       } else {
         n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
       }
-      if constexpr (kRouted) {
-        if (synthetic) {  // the pooled slices, built straight into the tiles
-          const PooledBits pooled(p, head);
-          int slice = -1;
-          for (int i = 0; i < n_visible; ++i) {
-            slice = NextPooledSlice(pooled, n_pages, slice + 1);
-            const int s = i % T::kStages;
-            if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);
-            BuildSyntheticPage<kDim, kStages, kInt8Qk>(p, head, pooled, slice, s, routed, tile_desc[s], smem + T::kKOffset + s * T::kKTileBytes,
-                                     smem + T::kVOffset + s * T::kTileBytes, reinterpret_cast<float2*>(key_table[s]),
-                                     scale_log2, tid);
-            FenceProxyAsync();
-            MbarArrive(SmemAddr(&tile_full[s]));
-          }
-          n_visible = 0;  // nothing for the page pipeline below
-        }
-      }
-      if (n_visible > 0) {
+      // Routed: the last window's pipeline goes on after its exact pages with the pooled slices.
+      const int n_total = n_visible + (kRouted && w0 + T::kWindow >= n_pages ? SyntheticPages(routed) : 0);
+      if (n_total > 0) {
         // Producers: raw page i+2 arrives while page i is decoded into tile stage i mod kStages. Thread 0
         // reads each page's source one page ahead, starts its bulk copies, and hands its descriptor on
         // through shared memory: raw_desc[raw stage] to the decode, tile_desc[stage] to the consumers.
@@ -160,11 +143,27 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
           raw_desc[st] = source.desc;
           if (j + 1 < n_visible) source = FetchPageSource(p, head, w0 + scratch.visible[j + 1]);
         };
-        if (tid == 0) {
+        if (tid == 0 && n_visible > 0) {
           source = FetchPageSource(p, head, w0 + scratch.visible[0]);
           for (int j = 0; j < n_raw - 1 && j < n_visible; ++j) issue(j);
         }
-        for (int i = 0; i < n_visible; ++i) {
+        [[maybe_unused]] int slice = -1;  // routed: the pooled slice of the last synthetic page
+        for (int i = 0; i < n_total; ++i) {
+          if constexpr (kRouted) {
+            if (i >= n_visible) {  // a synthetic page: the next slice that the block pools, built into the tiles
+              const PooledBits pooled(p, head);
+              slice = NextPooledSlice(pooled, n_pages, slice + 1);
+              const int s = i % T::kStages;
+              if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);
+              BuildSyntheticPage<kDim, kStages, kInt8Qk>(p, head, pooled, slice, s, routed, tile_desc[s],
+                                                         smem + T::kKOffset + s * T::kKTileBytes,
+                                                         smem + T::kVOffset + s * T::kTileBytes,
+                                                         reinterpret_cast<float2*>(key_table[s]), scale_log2, tid);
+              FenceProxyAsync();
+              MbarArrive(SmemAddr(&tile_full[s]));
+              continue;
+            }
+          }
           BarSync(T::kProducerBar, T::kProducerThreads);  // everyone has decoded page i − 1: its stage is free
           const int next = i + n_raw - 1;
           if (tid == 0 && next < n_visible) issue(next);
@@ -233,12 +232,12 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
   // The routed instance: this group's page of the block (its first token; its rows start at row_base's group).
   int64_t group_t0 = 0;
   if constexpr (kRouted) group_t0 = routed.t0[consumer];
-  const int n_end = kRouted ? n_pages + T::kWindow : n_pages;
-  for (int w0 = 0; w0 < n_end; w0 += T::kWindow) {
+  for (int w0 = 0; w0 < n_pages; w0 += T::kWindow) {
     const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
     int n_visible;
     if constexpr (kRouted) {
-      n_visible = w0 >= n_pages ? routed.n_synthetic : CollectRoutedPages(p, head, w0, wn, scratch);
+      n_visible = CollectRoutedPages(p, head, w0, wn, scratch);
+      if (w0 + T::kWindow >= n_pages) n_visible += SyntheticPages(routed);  // the producers' n_total
     } else {
       n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
     }

@@ -15,7 +15,7 @@ namespace kvpack::cuda::sm90 {
 // page leads a block (visibility.h LeadsQueryBlock; a partner page's CTA returns at once), consumer
 // group c the queries of the block's page c (none for c = 1 where the block has one page). Both
 // groups walk one routed page list — the block's exact pages — through the dense kernel's pipeline.
-// After the last window one more pass streams the pooled pages as synthetic pages
+// The last window's pipeline then goes on, without a drain, with the pooled pages as synthetic pages
 // (PageDesc::reserved = kSyntheticPage): synthetic page i is the slice of pages 64·i … 64·i + 63 of the
 // head, its K rows their mean keys and its V rows their V sums (the stored bf16 statistics, [H, P, d],
 // so a slice is contiguous), copied by the producers straight into the tiles (on the INT8 MMA path
@@ -37,6 +37,11 @@ struct RoutedState {
 };
 template <int kStages>
 struct RoutedState<false, kStages> {};
+// Synthetic pages that follow the exact ones in the last window (none for a dense launch).
+template <int kStages>
+__device__ __forceinline__ int SyntheticPages(const RoutedState<true, kStages>& state) { return state.n_synthetic; }
+template <int kStages>
+__device__ __forceinline__ int SyntheticPages(const RoutedState<false, kStages>&) { return 0; }
 
 // The routed twin of CollectVisiblePages: pages of [w0, w0 + wn) that the CTA's block attends exactly,
 // in page order. Same barriers.
