@@ -61,8 +61,8 @@ __device__ __forceinline__ int NextBit(const uint32_t* bits, int words, int from
 
 // kInt8Qk: the INT8 MMA path (mma_path.h), as the dense portable kernel runs it: the block's int8 query
 // codes in the K tile's place, their s_q and Σq / s_q, the key table and (pooled pass) the synthetic
-// page's int8 mean-key codes (AttentionParams::Route::mean_codes) in the bf16 Q tile's place; S from the raw page's integer codes
-// (ScorePageInt8), so no K tile is decoded.
+// page's int8 mean-key codes (AttentionParams::Route::mean_codes) in the bf16 Q tile's place; S from
+// the raw page's integer codes (ScorePageInt8), so no K tile is decoded.
 template <int kDim, bool kInt8Qk>
 __global__ void __launch_bounds__(SparseTile<kDim>::kThreads) SparseAttentionKernel(const SparseChunk chunk) {
   using T = SparseTile<kDim>;
