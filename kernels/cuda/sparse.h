@@ -12,7 +12,7 @@
 //                     slot of its first page, the partner's slot is unused); centroid · mean_k of
 //                     every (slot, page) per head, tiled 32 slots × 64 pages through shared memory
 //                     (double dots over the bf16 mean keys; partner slots score a zero centroid: half
-//                     its work wasted — all routing is 20 ms of H3's 533 ms top-k 0.2 layer); then
+//                     its work wasted — 13.4 of routing's 20 ms in H3's 509 ms top-k 0.2 layer); then
 //                     one CTA per (block, head): the visible pages, the forced pages, top-k or
 //                     rel-tau, the floor — the CPU's RoutePages, bit for bit — written as two bitmasks
 //                     per (block, head): exact and pooled pages.
@@ -22,18 +22,20 @@
 //                     pipeline (deep ring, ping-pong), then the pooled pages as synthetic pages, one
 //                     per slice of 64 pages that the block pools, whose rows are the stored mean keys
 //                     (bf16, or their int8 codes on the INT8 MMA path) and V sums, copied, weighted by
-//                     token count in the softmax sum. Either MMA path (mma_path.h), as dense launches. H3 top-k 0.2
-//                     on an H100: attention 430 ms where one routing per 64 queries, each group
-//                     walking its own list a page at a time, took 509 (bench/RESULTS.md, sessions 8,
-//                     13, 17 and 18, with what else was tried); an exact page still costs ~1.3× a
-//                     dense one (not profiled at H3).
+//                     token count in the softmax sum. Either MMA path (mma_path.h), as dense launches;
+//                     the pooled slices follow the exact pages in the last window's pipeline. H3
+//                     top-k 0.2 on an H100, INT8 S: attention 407–410 ms where bf16 S took 431–433
+//                     and one routing per 64 queries, each group walking its own list a page at a
+//                     time, 509 (bench/RESULTS.md, sessions 8, 13, 17–19, with what else was tried);
+//                     an exact page costs ~1.15× a dense one (the profile is the dense kernel's:
+//                     hand-overs, not memory).
 //                     Elsewhere one CTA of 4 warps × 16 rows per (page of queries, head)
 //                     (attention_sparse.cu, mma.sync, every arch), reading its block's routing: the
 //                     exact pages in ascending order (raw copy, codec decode, S = Q·Kᵀ, masks, online
 //                     softmax, O += P·V), then the pooled pages a slice of 64 at a time as one
-//                     synthetic page of mean keys (bf16, or their int8 codes) with values bf16(v_sum / n) and a logit bias
-//                     ln n (n tokens of logit s and value v_sum / n, the CPU's FoldPooled), then the
-//                     dense path's epilogue (Rᵀ, ×λ_v, +μ_v, bf16).
+//                     synthetic page of mean keys (bf16, or their int8 codes) with values
+//                     bf16(v_sum / n) and a logit bias ln n (n tokens of logit s and value v_sum / n,
+//                     the CPU's FoldPooled), then the dense path's epilogue (Rᵀ, ×λ_v, +μ_v, bf16).
 // Results equal the CPU reference's routing exactly and its outputs to rounding (bf16 tiles, bf16 P,
 // fold order); tests/kernels/cuda_sparse_test.cc holds both to that.
 //

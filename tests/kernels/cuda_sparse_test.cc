@@ -430,7 +430,8 @@ TEST(CudaSparse, LayerTopK20Int8MmaMatchesTheCpuLayer) {
 // Issue 13's memory target, by the planner's own figures (no GPU needed): the H3 sparse layer in place
 // (N = 152,263, 56 heads × 128, INT4; Tq 4224 as bench_layer runs it, and the default 4096) holds its
 // K/V block and workspace in ≤ 1.3 GiB. The routing region is what sparse adds: the bf16 statistics
-// (2 × 56 × 2380 × 128 × 2 B = 68,239,360 B), the chunk's scores, bitmasks and centroids.
+// (2 × 56 × 2380 × 128 × 2 B = 68,239,360 B), the INT8 path's mean-key codes and scales (17,592,960 B),
+// the chunk's scores, bitmasks and centroids.
 TEST(CudaSparse, H3SparseLayerInPlaceFitsIn1p3GiB) {
   LayerConfig c;
   c.shape = {152263, 7168, 56, 128};
@@ -442,7 +443,10 @@ TEST(CudaSparse, H3SparseLayerInPlaceFitsIn1p3GiB) {
   ASSERT_OK(Supported(c));
   const SparseRegion r = PlanSparseRegion(c);
   EXPECT_EQ(r.v_sum - r.mean_k, 56ull * 2380 * 128 * 2);
-  EXPECT_EQ(r.flags - r.v_sum, 56ull * 2380 * 128 * 2);
+  EXPECT_EQ(r.mean_codes - r.v_sum, 56ull * 2380 * 128 * 2);
+  ASSERT_TRUE(r.codes) << "auto resolves H3 (d = 128, rotated, INT4) to the INT8 path";
+  EXPECT_EQ(r.mean_scales - r.mean_codes, 56ull * 2380 * 128);       // int8 codes
+  EXPECT_EQ(r.flags - r.mean_scales, (56ull * 2380 * 4 + 255) / 256 * 256);  // s_k, aligned
   for (int64_t tq : {4224, 4096}) {
     c.query_chunk = tq;
     const uint64_t peak = KvBytes(c) + WorkspaceBytes(c);
