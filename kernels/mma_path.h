@@ -62,5 +62,14 @@ KVPACK_HD inline int8_t QueryCode(float q, const QueryScale& s) {
   c = c > kQueryCodeMax ? kQueryCodeMax : (c < -kQueryCodeMax ? -kQueryCodeMax : c);
   return c == c ? static_cast<int8_t>(c) : 0;
 }
+// The whole row, one value at a time (the host's form; the kernels spread it over a warp): codes[0, d)
+// and its scale. The INT8 path's pooled keys (sparse attention) are quantized the same way.
+KVPACK_HD inline QueryScale QuantizeQueryRow(const float* q, int d, int8_t* codes) {
+  float amax = 0.0f;
+  for (int c = 0; c < d; ++c) amax = fmaxf(amax, fabsf(q[c]));
+  const QueryScale s = QueryScaleOf(amax);
+  for (int c = 0; c < d; ++c) codes[c] = QueryCode(q[c], s);
+  return s;
+}
 
 }  // namespace kvpack

@@ -53,11 +53,9 @@ void BeginTile(const QueryTile& tile, int d, MmaPath mma, TileState* state) {
   if (mma != MmaPath::kInt8) return;
   for (int i = 0; i < n; ++i) {  // the queries as the INT8 path sees them (mma_path.h)
     const float* q = tile.q + i * d;
-    float amax = 0.0f, sum = 0.0f;
-    for (int c = 0; c < d; ++c) amax = std::max(amax, std::fabs(q[c])), sum += q[c];
-    const QueryScale s = QueryScaleOf(amax);
-    for (int c = 0; c < d; ++c) state->q_codes[i * d + c] = QueryCode(q[c], s);
-    state->q_scale[i] = s.scale;
+    float sum = 0.0f;
+    for (int c = 0; c < d; ++c) sum += q[c];
+    state->q_scale[i] = QuantizeQueryRow(q, d, state->q_codes + i * d).scale;
     state->q_sum[i] = sum;
   }
 }

@@ -54,11 +54,9 @@ void FoldPooled(TileState* state, int i, int d, float s, float count, const uint
 }  // namespace
 
 float PooledKeyCodes(const uint16_t* mean_k, int d, int8_t* codes) {
-  float amax = 0.0f;
-  for (int c = 0; c < d; ++c) amax = std::max(amax, std::fabs(Bf16ToFloat(mean_k[c])));
-  const QueryScale s = QueryScaleOf(amax);
-  for (int c = 0; c < d; ++c) codes[c] = QueryCode(Bf16ToFloat(mean_k[c]), s);
-  return s.scale;
+  float k[kMaxHeadDimCpu];
+  for (int c = 0; c < d; ++c) k[c] = Bf16ToFloat(mean_k[c]);
+  return QuantizeQueryRow(k, d, codes).scale;
 }
 
 uint64_t PageStatsBytes(int n_heads, int head_dim, int n_pages) {

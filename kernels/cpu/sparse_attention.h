@@ -70,8 +70,8 @@ struct PageStatsView {
   const uint16_t* v_sum = nullptr;
 };
 
-// The INT8 MMA path's pooled key: a bf16 mean key row (d values) quantized as a query row is
-// (QueryScaleOf / QueryCode, mma_path.h) into codes[d]; returns s_k. The GPU's LaunchPageStats writes
+// The INT8 MMA path's pooled key: a bf16 mean key row (d ≤ kMaxHeadDimCpu values) quantized as a query
+// row is (mma_path.h QuantizeQueryRow) into codes[d]; returns s_k. The GPU's LaunchPageStats writes
 // the same bits.
 float PooledKeyCodes(const uint16_t* mean_k, int d, int8_t* codes);
 

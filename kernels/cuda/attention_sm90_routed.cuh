@@ -108,8 +108,8 @@ __device__ __forceinline__ int NextPooledSlice(const PooledBits& pooled, int n_p
 // All producer threads: synthetic page `slice` into stage s — its tiles copied from the bf16
 // statistics by 16-byte asynchronous copies (rows past the slice's pages zero-filled; on the INT8 MMA
 // path K from the mean keys' int8 codes, in the int8 tile's layout: Int8KUnits), its key table (bf16
-// keys: a_j = c, b_j = 0; int8 codes: a_j = s_k·c), weights, member mask and descriptor. The tiles are complete for the wgmma once every producer
-// thread has passed its wait and proxy fence.
+// keys: a_j = c, b_j = 0; int8 codes: a_j = s_k·c), weights, member mask and descriptor. The tiles are
+// complete for the wgmma once every producer thread has passed its wait and proxy fence.
 template <int kDim, int kStages, bool kInt8Qk>
 __device__ void BuildSyntheticPage(const AttentionParams& p, int head, const PooledBits& pooled, int slice, int s,
                                    RoutedState<true, kStages>& state, PageDesc& desc, uint8_t* k_tile,
@@ -142,8 +142,8 @@ __device__ void BuildSyntheticPage(const AttentionParams& p, int head, const Poo
   if (ptid < kPageTokens) {
     const float a = kInt8Qk && ptid < count ? p.route.mean_scales[at / kDim + ptid] : 1.0f;
     keys[ptid] = make_float2(a * scale_log2, 0.0f);
+    state.weight[s][ptid] = ptid < count ? static_cast<uint8_t>(p.kv.pages[first + ptid].n_valid) : 0;
   }
-  if (ptid < kPageTokens) state.weight[s][ptid] = ptid < count ? static_cast<uint8_t>(p.kv.pages[first + ptid].n_valid) : 0;
   if (ptid == 0) {
     const unsigned long long valid = count == kPageTokens ? ~0ull : (1ull << count) - 1;
     state.member[s] = pooled.Slice(slice) & valid;

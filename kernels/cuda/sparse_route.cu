@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/row_epilogue.h"  // kMaxHeadDimGpu
 #include "kernels/cuda/sparse.h"
 #include "kernels/mma_path.h"
 #include "kernels/page_codec.h"
@@ -19,7 +20,6 @@ namespace kvpack::cuda {
 namespace {
 
 constexpr int kRouteThreads = 256;
-constexpr int kMaxHeadDimGpu = 128;
 uint64_t AlignUp(uint64_t v) { return (v + 255) / 256 * 256; }
 
 int SortSize(int n_pages) {

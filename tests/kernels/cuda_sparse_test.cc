@@ -294,13 +294,17 @@ TEST(CudaSparse, TopK30ManyPagesD128MatchesTheCpu) {
   RunKernelCaseEachKernel({"topk 0.3, 8192 tokens, d 128, 1 sink", 2, 128, false, s, 8192});
 }
 
-TEST(CudaSparse, RelTauCausalD64MatchesTheCpu) {
-  SKIP_WITHOUT_GPU();
+KernelCase RelTauCausalD64() {
   SparseOptions s;
   s.mode = SparseMode::kRelTau;
   s.rel_tau = 1.0f;
   s.min_exact_pages = 4;
-  RunKernelCaseEachKernel({"rel-tau 1.0 causal, d 64, floor 4", 3, 64, true, s});
+  return {"rel-tau 1.0 causal, d 64, floor 4", 3, 64, true, s};
+}
+
+TEST(CudaSparse, RelTauCausalD64MatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  RunKernelCaseEachKernel(RelTauCausalD64());
 }
 
 TEST(CudaSparse, TailOffCausalD128MatchesTheCpu) {
@@ -314,29 +318,24 @@ TEST(CudaSparse, TailOffCausalD128MatchesTheCpu) {
 
 // The INT8 MMA path: S from the queries' int8 codes and the pages' integer codes, the pooled pages'
 // mean keys quantized as query rows (cpu/sparse_attention.h), on both kernels.
+KernelCase OnInt8(KernelCase c) {
+  c.int8 = true;
+  return c;
+}
+
 TEST(CudaSparse, Int8MmaTopKD128MatchesTheCpu) {
   SKIP_WITHOUT_GPU();
   SparseOptions s;
   s.topk_ratio = 0.2f;
   s.sink_pages = 1;
-  KernelCase c{"topk 0.2, d 128, 1 sink", 2, 128, false, s};
-  c.int8 = true;
-  RunKernelCaseEachKernel(c);
-  c = {"topk 0.3, 8192 tokens, d 128", 2, 128, false, s, 8192};
-  c.sparse.topk_ratio = 0.3f;
-  c.int8 = true;
-  RunKernelCaseEachKernel(c);
+  RunKernelCaseEachKernel(OnInt8({"topk 0.2, d 128, 1 sink", 2, 128, false, s}));
+  s.topk_ratio = 0.3f;
+  RunKernelCaseEachKernel(OnInt8({"topk 0.3, 8192 tokens, d 128, 1 sink", 2, 128, false, s, 8192}));
 }
 
 TEST(CudaSparse, Int8MmaRelTauCausalD64MatchesTheCpu) {
   SKIP_WITHOUT_GPU();
-  SparseOptions s;
-  s.mode = SparseMode::kRelTau;
-  s.rel_tau = 1.0f;
-  s.min_exact_pages = 4;
-  KernelCase c{"rel-tau 1.0 causal, d 64, floor 4", 3, 64, true, s};
-  c.int8 = true;
-  RunKernelCaseEachKernel(c);
+  RunKernelCaseEachKernel(OnInt8(RelTauCausalD64()));
 }
 
 // ── Layer level ─────────────────────────────────────────────────────────────────────────────────
