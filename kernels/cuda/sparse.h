@@ -10,9 +10,9 @@
 //   LaunchRoutePages  per query chunk: the centroid of each query block's stored queries (a block is
 //                     the queries of a page pair, cpu/sparse_attention.h; its routing lives in the
 //                     slot of its first page, the partner's slot is unused); centroid · mean_k of
-//                     every (slot, page) per head, tiled 32 slots × 64 pages through shared memory
-//                     (double dots over the bf16 mean keys; partner slots score a zero centroid: half
-//                     its work wasted — 13.4 of routing's 20 ms in H3's 509 ms top-k 0.2 layer); then
+//                     every (leading slot, page) per head, tiled 32 blocks × 64 pages through shared
+//                     memory (double dots over the bf16 mean keys; partner slots take no work: they
+//                     took half of it, 13.4 ms of routing's 20 in H3's 509 ms top-k 0.2 layer); then
 //                     one CTA per (block, head): the visible pages, the forced pages, top-k or
 //                     rel-tau, the floor — the CPU's RoutePages, bit for bit — written as two bitmasks
 //                     per (block, head): exact and pooled pages.

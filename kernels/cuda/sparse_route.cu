@@ -195,8 +195,8 @@ constexpr uint8_t kExact = 1, kVisible = 2;
 
 // Centroids: one CTA per (page slot, head), one thread per channel — for a slot whose page leads a query
 // block, the mean of the block's stored bf16 queries (its one or two pages' rows, contiguous), double
-// sums in row order (the CPU's AttendChunkSparse); zeros for a partner page's slot (ScoreKernel scores
-// every slot; RoutePagesKernel reads only the leaders').
+// sums in row order (the CPU's AttendChunkSparse); zeros for a partner page's slot (which ScoreKernel
+// and RoutePagesKernel skip).
 __global__ void CentroidKernel(const AttentionParams p, float* centroids) {
   const int b = blockIdx.x, h = blockIdx.y, c = threadIdx.x, d = p.kv.head_dim;
   const int lead = p.route.first_page + b;
@@ -214,9 +214,11 @@ __global__ void CentroidKernel(const AttentionParams p, float* centroids) {
   *out = static_cast<float>(acc / n);
 }
 
-// Dots centroid · mean_k of every (block, page) of a head: scores[b, h, pg], each a double sum over the
-// channels in order of the float centroid times the bf16 mean key, rounded to float (the CPU's
-// DotBf16), not yet scaled. A CTA takes kScoreBlocks blocks × kScorePages pages of one head, kScoreChunk
+// Dots centroid · mean_k of every (block, page) of a head: scores[b, h, pg] for each slot b whose page
+// leads a block (the k-th such slot of the chunk is row k: partner slots, which no one reads, take no
+// work), each a double sum over the channels in order of the float centroid times the bf16 mean key,
+// rounded to float (the CPU's DotBf16), not yet scaled. A CTA takes kScoreBlocks blocks × kScorePages
+// pages of one head (a thread whose four rows are past the chunk's last block skips the dots), kScoreChunk
 // channels at a time through shared memory (as doubles, converted once as they are loaded), and each
 // thread a 4 × 4 tile of scores: 8 shared loads per 16 double FMAs (four scores of one block per
 // thread, 5 loads per 4 FMAs, took H3's routing to 29.6 ms where this takes 23.0, session 13 on the
@@ -231,14 +233,33 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(const AttentionPara
   constexpr int kBlockStep = kScoreBlocks / kScoreTile, kPageStep = kScorePages / kScoreTile;  // 8, 16
   __shared__ double cen[kScoreBlocks][kPitch];
   __shared__ double keys[kScorePages][kPitch];
+  __shared__ int slot_of[kScoreBlocks];  // row r: the slot of block b0 + r, or −1 past the last block
   const int b0 = blockIdx.x * kScoreBlocks, h = blockIdx.y, pg0 = blockIdx.z * kScorePages, tid = threadIdx.x;
   const int P = p.kv.n_pages, H = p.kv.n_heads;
   const int rb = tid / kPageStep, rp = tid % kPageStep;  // blocks rb + 8·i, pages rp + 16·j
+  if (tid < 32) {  // warp 0 numbers the chunk's leading slots, 32 at a time
+    for (int r = tid; r < kScoreBlocks; r += 32) slot_of[r] = -1;
+    __syncwarp();
+    int seen = 0;
+    for (int base = 0; base < p.route.n_blocks; base += 32) {
+      const int slot = base + tid;
+      const bool lead = slot < p.route.n_blocks && LeadsQueryBlock(p.kv.pages, P, p.route.first_page + slot);
+      const unsigned m = __ballot_sync(0xffffffffu, lead);
+      const int k = seen + __popc(m & ((1u << tid) - 1u));
+      if (lead && k >= b0 && k < b0 + kScoreBlocks) slot_of[k - b0] = slot;
+      seen += __popc(m);
+    }
+  }
+  __syncthreads();
+  if (slot_of[0] < 0) return;  // past the chunk's last block (uniform)
+  bool any_row = false;
+#pragma unroll
+  for (int i = 0; i < kScoreTile; ++i) any_row |= slot_of[rb + kBlockStep * i] >= 0;
   double acc[kScoreTile][kScoreTile] = {};
   for (int c0 = 0; c0 < kDim; c0 += kScoreChunk) {
     for (int u = tid; u < kScoreBlocks * kScoreChunk; u += kScoreThreads) {
-      const int r = u / kScoreChunk, c = u % kScoreChunk;
-      cen[r][c] = b0 + r < p.route.n_blocks ? centroids[(static_cast<int64_t>(b0 + r) * H + h) * kDim + c0 + c] : 0.0f;
+      const int r = u / kScoreChunk, c = u % kScoreChunk, b = slot_of[r];
+      cen[r][c] = b >= 0 ? centroids[(static_cast<int64_t>(b) * H + h) * kDim + c0 + c] : 0.0f;
     }
     for (int u = tid; u < kScorePages * kScoreChunk; u += kScoreThreads) {
       const int r = u / kScoreChunk, c = u % kScoreChunk;
@@ -246,7 +267,7 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(const AttentionPara
     }
     __syncthreads();
 #pragma unroll 4
-    for (int c = 0; c < kScoreChunk; ++c) {
+    for (int c = 0; c < (any_row ? kScoreChunk : 0); ++c) {
       double x[kScoreTile], y[kScoreTile];
 #pragma unroll
       for (int i = 0; i < kScoreTile; ++i) x[i] = cen[rb + kBlockStep * i][c], y[i] = keys[rp + kPageStep * i][c];
@@ -260,8 +281,8 @@ __global__ void __launch_bounds__(kScoreThreads) ScoreKernel(const AttentionPara
   }
 #pragma unroll
   for (int i = 0; i < kScoreTile; ++i) {
-    const int b = b0 + rb + kBlockStep * i;
-    if (b >= p.route.n_blocks) continue;
+    const int b = slot_of[rb + kBlockStep * i];
+    if (b < 0) continue;
 #pragma unroll
     for (int j = 0; j < kScoreTile; ++j) {
       const int pg = pg0 + rp + kPageStep * j;
