@@ -33,6 +33,14 @@ int64_t SparseChunkEnd(const LayerConfig& config, const PageDesc* pages, int n_p
   return static_cast<int64_t>(it->token_begin) + it->n_valid;
 }
 
+std::vector<int32_t> QueryBlockLeads(const PageDesc* pages, int n_pages) {
+  std::vector<int32_t> leads;
+  for (int p = 0; p < n_pages; ++p) {
+    if (LeadsQueryBlock(pages, n_pages, p)) leads.push_back(p);
+  }
+  return leads;
+}
+
 int SparseRouteSharedBytes(int64_t n_pages) {
   int64_t sort = 1;
   while (sort < n_pages) sort <<= 1;

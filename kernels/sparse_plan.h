@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
 #include "kernels/format.h"
 #include "kernels/layer_spec.h"
 
@@ -27,6 +29,9 @@ int64_t SparseBlocksPerChunk(const LayerConfig& config);
 // End (one past the last token) of the chunk that starts at `begin`, a block start; pages[0, n_pages)
 // is BuildPageLayout(config.ranges) (or an entry's page array, the same pages).
 int64_t SparseChunkEnd(const LayerConfig& config, const PageDesc* pages, int n_pages, int64_t begin);
+// The first page of every query block of the entry (visibility.h LeadsQueryBlock), ascending: block k of
+// the layer is the queries of page result[k] and its partner. At most n_pages entries.
+std::vector<int32_t> QueryBlockLeads(const PageDesc* pages, int n_pages);
 
 // The GPU routing kernel (cuda/sparse_route.cu) keys (and may sort) one (block, head)'s page scores in shared memory:
 // 8 bytes per page rounded up to a power of two, plus a byte per page of marks rounded to 16. Pure, so

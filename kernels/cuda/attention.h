@@ -61,13 +61,17 @@ struct AttentionParams {
   // Block-sparse launches (sparse.h) only: the routing of the chunk's query blocks. A routed launch
   // takes page slots b = pages first_page + b (n_blocks of them; first_page leads a query block,
   // visibility.h LeadsQueryBlock) instead of n_q rows from q_token_begin; a block's routing sits in its
-  // first page's slot. It attends the exact pages and pools the rest (bf16 MMAs).
+  // first page's slot. It attends the exact pages and pools the rest (either MMA path).
   struct Route {
     uint32_t* exact_bits = nullptr;   // [n_blocks, H, words] exact pages of each (block, head)
     uint32_t* pooled_bits = nullptr;  // [n_blocks, H, words] pooled pages (both written by the routing)
     int words = 0;                    // ⌈pages / 32⌉
     int first_page = 0;
     int n_blocks = 0;
+    // The pages that lead the chunk's blocks, ascending (QueryBlockLeads; n_leads of them): the wgmma
+    // routed instance runs a CTA per block from this list, none for a partner page's slot.
+    const int32_t* leads = nullptr;
+    int n_leads = 0;
     uint16_t* mean_k = nullptr;       // [H, pages, d] bf16 page statistics (written by LaunchPageStats)
     uint16_t* v_sum = nullptr;        // [H, pages, d] bf16
     // The INT8 MMA path's pooled keys: mean_k quantized as query rows are (mma_path.h), codes

@@ -65,10 +65,12 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
   const int n_rows = static_cast<int>(p.n_q - q0 < kTileQueries ? p.n_q - q0 : kTileQueries);
   const int64_t t0 = p.q_token_begin + q0;  // its token index (= position)
   const int n_pages = p.kv.n_pages;
+  // Routed: the CTA's block (route.leads[blockIdx.x]) and its routing's slot.
+  [[maybe_unused]] int slot = 0;
 
-  if constexpr (kRouted) {  // consumer group c: page c of the slot's block, its rows from its first query
-    const int lead = p.route.first_page + blockIdx.x;
-    if (!LeadsQueryBlock(p.kv.pages, n_pages, lead)) return;  // a partner page's slot: uniform, before any barrier
+  if constexpr (kRouted) {  // consumer group c: page c of the block, its rows from its first query
+    const int lead = p.route.leads[blockIdx.x];
+    slot = lead - p.route.first_page;
     if (tid < 2) {
       const bool has = tid < QueryBlockPages(p.kv.pages, n_pages, lead);
       const PageDesc page = has ? p.kv.pages[lead + tid] : PageDesc{};
@@ -76,7 +78,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
       routed.q0[tid] = page.token_begin - p.q_token_begin;
       routed.rows[tid] = has ? page.n_valid : 0;
     }
-    CountPooledSlices(p, head, routed.n_synthetic);  // its barriers publish the blocks' rows too
+    CountPooledSlices(p, slot, head, routed.n_synthetic);  // its barriers publish the blocks' rows too
     if constexpr (kInt8Qk) {
       QuantizeQueryTile<T>(p, routed.q0, routed.rows, head, smem, q_rows_int8);
     } else {
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
       const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
       int n_visible;
       if constexpr (kRouted) {
-        n_visible = CollectRoutedPages(p, head, w0, wn, scratch);
+        n_visible = CollectRoutedPages(p, slot, head, w0, wn, scratch);
       } else {
         n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
       }
@@ -151,7 +153,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
         for (int i = 0; i < n_total; ++i) {
           if constexpr (kRouted) {
             if (i >= n_visible) {  // a synthetic page: the next slice that the block pools, built into the tiles
-              const PooledBits pooled(p, head);
+              const PooledBits pooled(p, slot, head);
               slice = NextPooledSlice(pooled, n_pages, slice + 1);
               const int s = i % T::kStages;
               if (i >= T::kStages) BarSync(T::kEmptyBar + s, T::kThreads);
@@ -236,7 +238,7 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
     const int wn = n_pages - w0 < T::kWindow ? n_pages - w0 : T::kWindow;
     int n_visible;
     if constexpr (kRouted) {
-      n_visible = CollectRoutedPages(p, head, w0, wn, scratch);
+      n_visible = CollectRoutedPages(p, slot, head, w0, wn, scratch);
       if (w0 + T::kWindow >= n_pages) n_visible += SyntheticPages(routed);  // the producers' n_total
     } else {
       n_visible = CollectVisiblePages(p, runs, w0, wn, scratch);
@@ -358,22 +360,18 @@ __global__ void __launch_bounds__(Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, 1)
               const float arg = fmaf(AsFloat(sc[n][e]), row_scale[r], -m_use);
               const float w = kSm90Experiment == Sm90Experiment::kNoExp ? arg : Exp2Ftz(arg);  // noexp: timing only
               SetFloat(sc[n][e], w);
-              if constexpr (!kRouted) row_sum[r] += w;
+              row_sum[r] += w;
             }
           }
-          if constexpr (kRouted) {  // the same sums, with the page's one branch outside the loop
-            if (weighted) {  // a synthetic page: key j stands for weight[j] tokens
+          if constexpr (kRouted) {
+            if (weighted) {  // a synthetic page: key j stands for weight[j] tokens, one counted above
               const uint8_t* weight = routed.weight[i % T::kStages];
 #pragma unroll
               for (int n = 0; n < 8; ++n) {
 #pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; ++e) row_sum[r] += AsFloat(sc[n][e]) * weight[n * 8 + 2 * t + (e & 1)];
-              }
-            } else {
-#pragma unroll
-              for (int n = 0; n < 8; ++n) {
-#pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; ++e) row_sum[r] += AsFloat(sc[n][e]);
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                  row_sum[r] += AsFloat(sc[n][e]) * static_cast<float>(weight[n * 8 + 2 * t + (e & 1)] - 1);
+                }
               }
             }
           }
@@ -545,8 +543,8 @@ template <int kDim, int kStages, bool kInt8Qk, bool kRouted>
 Error Launch(const AttentionParams& p, cudaStream_t stream) {
   int smem = 0;
   KVPACK_RETURN_IF_ERROR((Prepare<kDim, kStages, kInt8Qk, kRouted>(p.max_page_bytes, &smem)));
-  // Routed: a CTA per page slot (those of partner pages return at once).
-  const dim3 grid = kRouted ? dim3(p.route.n_blocks, p.kv.n_heads) : AttentionGrid(p);
+  // Routed: a CTA per block (route.leads).
+  const dim3 grid = kRouted ? dim3(p.route.n_leads, p.kv.n_heads) : AttentionGrid(p);
   AttentionSm90Kernel<kDim, kStages, kInt8Qk, kRouted><<<grid, Sm90Tile<kDim, kStages, kInt8Qk>::kThreads, smem, stream>>>(p);
   KVPACK_CUDA_RETURN_LAUNCH("attention sm90 kernel");
   return Error::Ok();

@@ -11,8 +11,8 @@
 namespace kvpack::cuda::sm90 {
 
 // ── The routed (block-sparse) instance (sparse.h) ───────────────────────────────────────────────
-// A CTA takes one query block of the launch: slot blockIdx.x (page first_page + blockIdx.x) when its
-// page leads a block (visibility.h LeadsQueryBlock; a partner page's CTA returns at once), consumer
+// A CTA takes one query block of the launch: block blockIdx.x, led by page route.leads[blockIdx.x]
+// (its routing in slot = that page − first_page; no CTA runs for a partner page's slot), consumer
 // group c the queries of the block's page c (none for c = 1 where the block has one page). Both
 // groups walk one routed page list — the block's exact pages — through the dense kernel's pipeline.
 // The last window's pipeline then goes on, without a drain, with the pooled pages as synthetic pages
@@ -46,12 +46,12 @@ __device__ __forceinline__ int SyntheticPages(const RoutedState<false, kStages>&
 // The routed twin of CollectVisiblePages: pages of [w0, w0 + wn) that the CTA's block attends exactly,
 // in page order. Same barriers.
 template <int kThreads, int kWindow>
-__device__ int CollectRoutedPages(const AttentionParams& p, int head, int w0, int wn,
+__device__ int CollectRoutedPages(const AttentionParams& p, int slot, int head, int w0, int wn,
                                   VisibleScratch<kThreads, kWindow>& scratch) {
   constexpr int kPerThread = kWindow / kThreads;
   const int tid = threadIdx.x;
   const AttentionParams::Route& route = p.route;
-  const uint32_t* bits = route.exact_bits + (static_cast<int64_t>(blockIdx.x) * p.kv.n_heads + head) * route.words;
+  const uint32_t* bits = route.exact_bits + (static_cast<int64_t>(slot) * p.kv.n_heads + head) * route.words;
   uint32_t mine = 0;  // bit i: page tid·kPerThread + i is routed
   int count = 0;
   for (int i = 0; i < kPerThread; ++i) {
@@ -69,12 +69,12 @@ __device__ int CollectRoutedPages(const AttentionParams& p, int head, int w0, in
   return n_visible;
 }
 
-// The pooled bits of the CTA's block for one head.
+// The pooled bits of the block whose routing is in `slot`, for one head.
 struct PooledBits {
   const uint32_t* bits;
   int words;
-  __device__ PooledBits(const AttentionParams& p, int head)
-      : bits(p.route.pooled_bits + (static_cast<int64_t>(blockIdx.x) * p.kv.n_heads + head) * p.route.words),
+  __device__ PooledBits(const AttentionParams& p, int slot, int head)
+      : bits(p.route.pooled_bits + (static_cast<int64_t>(slot) * p.kv.n_heads + head) * p.route.words),
         words(p.route.words) {}
   // Bit j: page 64·slice + j is pooled.
   __device__ unsigned long long Slice(int slice) const {
@@ -86,8 +86,8 @@ struct PooledBits {
 };
 
 // The number of slices that the block pools; every thread of the CTA calls it (its barrier).
-__device__ __forceinline__ int CountPooledSlices(const AttentionParams& p, int head, int& shared_count) {
-  const PooledBits pooled(p, head);
+__device__ __forceinline__ int CountPooledSlices(const AttentionParams& p, int slot, int head, int& shared_count) {
+  const PooledBits pooled(p, slot, head);
   const int n_slices = (p.kv.n_pages + kPageTokens - 1) / kPageTokens;
   int mine = 0;
   for (int i = threadIdx.x; i < n_slices; i += blockDim.x) mine += pooled.Pooled(i);

@@ -249,7 +249,12 @@ Error Launch(const SparseChunk& chunk, cudaStream_t stream) {
 
 Error LaunchSparseAttention(const SparseChunk& chunk, cudaStream_t stream) {
   if (chunk.attention.route.n_blocks <= 0) return Error::Ok();
-  if (chunk.attention.tiling == AttentionTilingChoice::kWgmma) return LaunchAttentionSm90(chunk.attention, stream);
+  if (chunk.attention.tiling == AttentionTilingChoice::kWgmma) {
+    if (chunk.attention.route.leads == nullptr || chunk.attention.route.n_leads <= 0) {
+      return InvalidArgument("sparse attention: route.leads (the chunk's blocks) must be set");
+    }
+    return LaunchAttentionSm90(chunk.attention, stream);
+  }
   const bool int8 = chunk.attention.mma == MmaPath::kInt8;
   switch (chunk.attention.kv.head_dim) {
     case 64:

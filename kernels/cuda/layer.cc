@@ -289,13 +289,16 @@ Error AttendSparse(const LayerConfig& c, const LayerTensors& t, const KvEntryVie
                                     (c.ranges[i].attend_densely ? kSparseRangeAttendDensely : 0));
   }
   KVPACK_CUDA_RETURN(cudaMemcpyAsync(region + r.flags, flags.data(), flags.size(), cudaMemcpyHostToDevice, ctx.stream));
+  const std::vector<PageDesc> pages = BuildPageLayout(c.ranges);
+  const std::vector<int32_t> leads = QueryBlockLeads(pages.data(), static_cast<int>(pages.size()));
+  KVPACK_CUDA_RETURN(cudaMemcpyAsync(chunk.lead_table, leads.data(), leads.size() * sizeof(int32_t),
+                                     cudaMemcpyHostToDevice, ctx.stream));
   KVPACK_CUDA_RETURN(cudaMemsetAsync(chunk.tallies, 0, 3 * sizeof(unsigned long long), ctx.stream));
   KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::routing_ms, [&] {
     return LaunchPageStats(kv, chunk.attention.route, ctx.stream);
   }));
 
-  const std::vector<PageDesc> pages = BuildPageLayout(c.ranges);
-  int first_page = 0;
+  int first_page = 0, first_block = 0;
   for (int64_t begin = 0; begin < n;) {
     KVPACK_RETURN_IF_ERROR(PassGate(gate));
     const int64_t end = SparseChunkEnd(c, pages.data(), static_cast<int>(pages.size()), begin);
@@ -304,12 +307,16 @@ Error AttendSparse(const LayerConfig& c, const LayerTensors& t, const KvEntryVie
     while (last_page < static_cast<int>(pages.size()) && pages[last_page].token_begin < end) ++last_page;
     a.q_token_begin = begin, a.n_q = end - begin;
     a.out = t.out + begin * hd;
+    int last_block = first_block;
+    while (last_block < static_cast<int>(leads.size()) && leads[last_block] < last_page) ++last_block;
     chunk.attention.route.first_page = first_page;
     chunk.attention.route.n_blocks = last_page - first_page;
+    chunk.attention.route.leads = chunk.lead_table + first_block;
+    chunk.attention.route.n_leads = last_block - first_block;
     KVPACK_RETURN_IF_ERROR(clock.Time(&StageTimes::routing_ms, [&] { return LaunchRoutePages(chunk, ctx.stream); }));
     KVPACK_RETURN_IF_ERROR(
         clock.Time(&StageTimes::attention_ms, [&] { return LaunchSparseAttention(chunk, ctx.stream); }));
-    first_page = last_page;
+    first_page = last_page, first_block = last_block;
     begin = end;
   }
   if (report != nullptr) {  // the tallies, after the last chunk's routing

@@ -41,12 +41,12 @@
 //
 // Memory (PlanSparseRegion, part of the layer's workspace while it attends): the statistics
 // bf16 [H, P, d] × 2, on the INT8 MMA path the mean keys' codes int8 [H, P, d] and s_k float [H, P],
-// the range flags, exact and pooled bitmasks uint32 [blocks per chunk, H, ⌈P/32⌉]
+// the range flags, the blocks' leading pages int32 [≤ P], exact and pooled bitmasks uint32 [blocks per chunk, H, ⌈P/32⌉]
 // each, three uint64 tallies, the chunk's centroids float [blocks, H, d] and scores float [blocks, H, P]
 // ("blocks": page slots, SparseBlocksPerChunk).
 // H3 (N = 152,263: P = 2380, 56 heads × 128; Tq 4224: 69 slots): statistics 68.2 MB (136.5 as
 // float), mean-key codes and scales 17.6 MB (INT8 path), scores 36.8 MB, bitmasks 2.3 MB, centroids
-// 2.0 MB — 126.9 MB (109.3 on the bf16 path); the layer in place peaks at 1.2901 GiB. The route kernel holds one
+// 2.0 MB, block leads 4.8 KB — 126.9 MB (109.3 on the bf16 path); the layer in place peaks at 1.2901 GiB. The route kernel holds one
 // (block, head)'s sort keys in shared memory: 8 bytes per page rounded up to a power of two (it selects
 // the top k by radix select and sorts them only for the relative threshold or a floor that top-k does
 // not meet), so entries have at most kMaxSparsePagesGpu pages.
@@ -66,7 +66,8 @@ inline constexpr int kMaxSparsePagesGpu = 16384;  // 1,048,576 tokens; sort keys
 
 // Pieces of the sparse region of the workspace (byte offsets from its start).
 struct SparseRegion {
-  uint64_t mean_k = 0, v_sum = 0, mean_codes = 0, mean_scales = 0, flags = 0, exact_bits = 0, pooled_bits = 0, tallies = 0;
+  uint64_t mean_k = 0, v_sum = 0, mean_codes = 0, mean_scales = 0, flags = 0, leads = 0, exact_bits = 0, pooled_bits = 0;
+  uint64_t tallies = 0;
   uint64_t centroids = 0, scores = 0, end = 0;
   int words = 0;  // uint32 per (block, head) bitmask: ⌈P/32⌉
   bool codes = false;  // the INT8 MMA path's mean-key codes and scales are planned (ConfigMmaPath)
@@ -82,6 +83,7 @@ struct SparseChunk {
                                    // attention.route: the chunk's blocks, bitmasks and page statistics
   SparseOptions options;
   const uint8_t* range_flags = nullptr;  // per range: kSparseRangeAlwaysAttend | kSparseRangeAttendDensely
+  int32_t* lead_table = nullptr;   // the layer's QueryBlockLeads (route.leads points into it per chunk)
   int n_ranges = 0;
   unsigned long long* tallies = nullptr;  // visible, exact, pooled pages (SparseReport), accumulated
   float* centroids = nullptr;      // scratch [n_blocks, H, d]

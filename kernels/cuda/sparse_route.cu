@@ -444,7 +444,8 @@ SparseRegion PlanSparseRegion(const LayerConfig& c) {
   r.mean_codes = AlignUp(r.v_sum + H * P * d * sizeof(uint16_t));
   r.mean_scales = AlignUp(r.mean_codes + (codes ? H * P * d : 0));
   r.flags = AlignUp(r.mean_scales + (codes ? H * P * sizeof(float) : 0));
-  r.exact_bits = AlignUp(r.flags + c.ranges.size());
+  r.leads = AlignUp(r.flags + c.ranges.size());
+  r.exact_bits = AlignUp(r.leads + P * sizeof(int32_t));
   r.pooled_bits = AlignUp(r.exact_bits + blocks * H * r.words * sizeof(uint32_t));
   r.tallies = AlignUp(r.pooled_bits + blocks * H * r.words * sizeof(uint32_t));
   r.centroids = AlignUp(r.tallies + 3 * sizeof(unsigned long long));
@@ -464,6 +465,7 @@ void BindSparseRegion(const SparseRegion& r, uint8_t* region, SparseChunk* chunk
   route.pooled_bits = reinterpret_cast<uint32_t*>(region + r.pooled_bits);
   route.words = r.words;
   chunk->range_flags = region + r.flags;
+  chunk->lead_table = reinterpret_cast<int32_t*>(region + r.leads);
   chunk->tallies = reinterpret_cast<unsigned long long*>(region + r.tallies);
   chunk->centroids = reinterpret_cast<float*>(region + r.centroids);
   chunk->scores = reinterpret_cast<float*>(region + r.scores);

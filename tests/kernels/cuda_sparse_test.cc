@@ -28,6 +28,7 @@
 #include "kernels/cpu/sparse_layer.h"
 #include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/layer.h"
+#include "kernels/sparse_plan.h"
 #include "kernels/transform_choice.h"
 #include "tests/kernels/cpu_test_layer.h"
 #include "tests/kernels/cuda_test_layer.h"
@@ -204,6 +205,9 @@ void RunKernelCase(const KernelCase& c, AttentionTilingChoice tiling) {
   chunk.attention.route.first_page = 0, chunk.attention.route.n_blocks = P;
   BindSparseRegion(r, region, &chunk);
   chunk.n_ranges = static_cast<int>(flags.size());
+  const std::vector<int32_t> leads = QueryBlockLeads(host.pages, P);
+  ASSERT_CUDA(cudaMemcpy(chunk.lead_table, leads.data(), leads.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  chunk.attention.route.leads = chunk.lead_table, chunk.attention.route.n_leads = static_cast<int>(leads.size());
   ASSERT_EQ(chunk.attention.route.mean_codes != nullptr, c.int8) << "the region plans codes on the INT8 path only";
   ASSERT_OK(LaunchPageStats(a.kv, chunk.attention.route, nullptr));
   ASSERT_OK(LaunchRoutePages(chunk, nullptr));
