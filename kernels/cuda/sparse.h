@@ -27,8 +27,8 @@
 //                     top-k 0.2 on an H100, INT8 S: attention 407–410 ms where bf16 S took 431–433
 //                     and one routing per 64 queries, each group walking its own list a page at a
 //                     time, 509 (bench/RESULTS.md, sessions 8, 13, 17–19, with what else was tried);
-//                     an exact page costs ~1.15× a dense one (the profile is the dense kernel's:
-//                     hand-overs, not memory).
+//                     at top-k 1.0 (the dense launch's pages, all exact) it takes 1.11× the dense
+//                     kernel's time with 3.8% more instructions (session 20: stalls, not memory).
 //                     Elsewhere one CTA of 4 warps × 16 rows per (page of queries, head)
 //                     (attention_sparse.cu, mma.sync, every arch), reading its block's routing: the
 //                     exact pages in ascending order (raw copy, codec decode, S = Q·Kᵀ, masks, online
