@@ -13,6 +13,8 @@
 #include "kernels/cpu/locality_data.h"
 #include "kernels/cpu/quality.h"
 #include "kernels/page_codec.h"
+#include "kernels/sparse_plan.h"
+#include "kernels/visibility.h"
 
 namespace kvpack::cpu {
 namespace {
@@ -424,6 +426,49 @@ TEST(SparseAttention, Int8MmaPathMatchesDenseAndStaysNearBf16) {
     EXPECT_LT(e8.rel_l2, kSparseInt8ErrorRatio * e16.rel_l2);
     EXPECT_LT(between.rel_l2, kSparseInt8VsBf16RelL2);
     EXPECT_GT(between.rel_l2, 0.0) << "kAuto took the INT8 path's logits";
+  }
+}
+
+// QueryBlockLeads (the CUDA routed launch's CTA per block) over ranges that start on odd pages and end
+// in partial ones, two sequences: leads ascend, every page belongs to exactly one block (its lead's or
+// the lead's partner), and every query chunk of SparseChunkEnd starts at a lead and ends with a block.
+TEST(SparseAttention, QueryBlockLeadsTileThePagesAndTheChunks) {
+  LayerConfig config;
+  config.shape = {1000, 64, 2, 64};
+  config.ranges = {{0, 100, 0, PageFormat::kInt4, /*always_attend=*/true},
+                   {100, 420, 0, PageFormat::kInt8},
+                   {420, 1000, 1, PageFormat::kInt4}};
+  config.attention.sparse.enabled = true;
+  const std::vector<PageDesc> pages = BuildPageLayout(config.ranges);
+  const int n_pages = static_cast<int>(pages.size());
+  const std::vector<int32_t> leads = QueryBlockLeads(pages.data(), n_pages);
+  ASSERT_FALSE(leads.empty());
+  EXPECT_EQ(leads.front(), 0);
+  std::vector<int> block_of(n_pages, -1);
+  for (size_t k = 0; k < leads.size(); ++k) {
+    ASSERT_TRUE(LeadsQueryBlock(pages.data(), n_pages, leads[k]));
+    if (k > 0) EXPECT_LT(leads[k - 1], leads[k]);
+    for (int i = 0; i < QueryBlockPages(pages.data(), n_pages, leads[k]); ++i) {
+      EXPECT_EQ(block_of[leads[k] + i], -1) << "page " << leads[k] + i << " in two blocks";
+      block_of[leads[k] + i] = static_cast<int>(k);
+    }
+  }
+  for (int pg = 0; pg < n_pages; ++pg) EXPECT_GE(block_of[pg], 0) << "page " << pg << " in no block";
+  EXPECT_LT(leads.size(), pages.size()) << "pages pair within a range";
+  for (int64_t tq : {64, 128, 200, 384}) {
+    config.query_chunk = tq;
+    for (int64_t begin = 0; begin < config.shape.n_tokens;) {
+      const int64_t end = SparseChunkEnd(config, pages.data(), n_pages, begin);
+      ASSERT_GT(end, begin);
+      int first = 0, last = 0;  // the chunk's pages [first, last)
+      while (pages[first].token_begin < begin) ++first;
+      last = first;
+      while (last < n_pages && pages[last].token_begin < end) ++last;
+      EXPECT_TRUE(LeadsQueryBlock(pages.data(), n_pages, first)) << "Tq " << tq << " chunk at " << begin;
+      EXPECT_TRUE(last == n_pages || LeadsQueryBlock(pages.data(), n_pages, last)) << "Tq " << tq << " chunk at " << begin;
+      EXPECT_LE(end - begin, tq + kSparseQueryBlock - 1);
+      begin = end;
+    }
   }
 }
 
