@@ -298,6 +298,17 @@ TEST(CudaSparse, TopK30ManyPagesD128MatchesTheCpu) {
   RunKernelCaseEachKernel({"topk 0.3, 8192 tokens, d 128, 1 sink", 2, 128, false, s, 8192});
 }
 
+// More pages than the wgmma kernel's visibility window (Sm90Tile::kWindow = 3072): 4480 pages, the
+// first sequence 3136 of them, so that its blocks' routed pages span two windows and the pooled tail
+// follows the second. (The CPU reference attends all 286,720 queries: ~10 s on 16 cores.)
+TEST(CudaSparse, TopKBeyondOneWindowD64MatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  SparseOptions s;
+  s.topk_ratio = 0.01f;
+  s.sink_pages = 1;
+  RunKernelCaseEachKernel({"topk 0.01, 4480 pages (two windows), d 64, 1 sink", 1, 64, false, s, 4480 * kPageTokens});
+}
+
 KernelCase RelTauCausalD64() {
   SparseOptions s;
   s.mode = SparseMode::kRelTau;
