@@ -83,7 +83,8 @@ const char kEvalUsage[] =
     "       kvpack-eval --locality F:Y:X:T:H:d [--data locality|qknorm|iid] [--seed S] [same options]\n"
     "Any of them with --sparse topk=R|tau=T [--no-tail] [--sink-pages K] [--min-exact-pages K]: block-sparse\n"
     "attention; the JSON adds routed_fraction and the dense packed path's dense_rel_l2 and dense_cosine.\n"
-    "--mma auto|bf16|int8: the tensor-core arithmetic (kernels/mma_path.h; auto as the daemon resolves it);\n"
+    "--mma auto|bf16|int8|fp8: the tensor-core arithmetic (kernels/mma_path.h; auto as the daemon resolves it;\n"
+    "fp8 is the CPU's emulation of a path no GPU kernel runs yet);\n"
     "the JSON names the path run (mma) and its own error, mma_rel_l2: its output vs the exact (fp32) attention\n"
     "over the same pages (0 on the bf16 path).\n"
     "--dump DIR also writes the inputs (files, synthetic or locality data) as DIR/q.npy, k.npy, v.npy\n"
@@ -118,7 +119,8 @@ bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::st
       if (v == "auto") o->mma = MmaPath::kAuto;
       else if (v == "bf16") o->mma = MmaPath::kBf16;
       else if (v == "int8") o->mma = MmaPath::kInt8;
-      else return *error = "--mma " + v + ": expected auto, bf16 or int8", false;
+      else if (v == "fp8") o->mma = MmaPath::kFp8;
+      else return *error = "--mma " + v + ": expected auto, bf16, int8 or fp8", false;
     } else if (a == "--no-rotate") {
       o->transforms.rotate = false;
     } else if (a == "--no-smooth") {
