@@ -311,7 +311,7 @@ MmaPath ConfigMmaPath(const LayerConfig& config) {
 
 TransformOptions ChoiceTransforms(const TransformOptions& transforms, MmaPath resolved) {
   TransformOptions t = transforms;
-  if (resolved == MmaPath::kInt8) t.choose_plain_k = false;
+  if (Int8Logits(resolved)) t.choose_plain_k = false;
   return t;
 }
 

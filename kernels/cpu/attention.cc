@@ -25,6 +25,52 @@ float Dot(const float* a, const float* b, int n) {
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
 
+// The FP8 path's view of an INT4 page's V rows (mma_path.h kFp8): centred codes, per-row factors g_j,
+// offsets lo_j + 8·s_j and the page's unscale s_max / 256.
+struct Fp8Page {
+  int8_t centred[kPageTokens * kMaxHeadDimCpu];  // code − 8
+  float g[kPageTokens];
+  float offset[kPageTokens];
+  float unscale = 0.0f;
+};
+
+void Fp8Operands(const uint8_t* v_bytes, int d, int valid, Fp8Page* page) {
+  float s[kPageTokens], lo[kPageTokens];
+  float s_max = 0.0f;
+  for (int j = 0; j < valid; ++j) {
+    IntegerPageRow(PageFormat::kInt4, v_bytes, d, j, page->centred + j * d, &s[j], &lo[j]);
+    for (int c = 0; c < d; ++c) page->centred[j * d + c] = static_cast<int8_t>(page->centred[j * d + c] - 8);
+    s_max = std::max(s_max, s[j]);
+  }
+  const float factor = Fp8PageFactor(s_max);
+  for (int j = 0; j < valid; ++j) {
+    page->g[j] = s[j] * factor;
+    page->offset[j] = lo[j] + 8.0f * s[j];
+  }
+  page->unscale = s_max * (1.0f / kFp8PScale);
+}
+
+// One query's P·V over an INT4 page on the FP8 path: a[c] += unscale · Σ_j e4m3(e_j·g_j)·(code_jc − 8)
+// (the page's own accumulator, exact here: e4m3 × small integers), *sum += Σ e_j; returns Σ e_j·offset_j.
+// logits[j] = −∞ for masked keys; e_j = exp(logit_j − m).
+float Fp8PageSum(const Fp8Page& page, const float* logits, float m, int valid, int d, float* a, float* sum) {
+  float page_acc[kMaxHeadDimCpu];
+  std::fill(page_acc, page_acc + d, 0.0f);
+  float off = 0.0f, l = 0.0f;
+  for (int j = 0; j < valid; ++j) {
+    if (logits[j] == -std::numeric_limits<float>::infinity()) continue;
+    const float e = expf(logits[j] - m);
+    l += e;
+    off += e * page.offset[j];
+    const float p8 = Fp8E4m3Round(e * page.g[j]);
+    const int8_t* codes = page.centred + j * d;
+    for (int c = 0; c < d; ++c) page_acc[c] += p8 * static_cast<float>(codes[c]);
+  }
+  for (int c = 0; c < d; ++c) a[c] += page.unscale * page_acc[c];
+  *sum += l;
+  return off;
+}
+
 }  // namespace
 
 int32_t IntDot(const int8_t* a, const int8_t* b, int n) {
@@ -49,8 +95,9 @@ void BeginTile(const QueryTile& tile, int d, MmaPath mma, TileState* state) {
   std::fill(state->m, state->m + n, -std::numeric_limits<float>::infinity());
   std::fill(state->l, state->l + n, 0.0f);
   std::fill(state->acc, state->acc + n * d, 0.0f);
+  std::fill(state->v_off, state->v_off + n, 0.0f);
   state->mma = mma;
-  if (mma != MmaPath::kInt8) return;
+  if (!Int8Logits(mma)) return;
   for (int i = 0; i < n; ++i) {  // the queries as the INT8 path sees them (mma_path.h)
     const float* q = tile.q + i * d;
     float sum = 0.0f;
@@ -72,6 +119,7 @@ void FoldPage(const KvEntryView& kv, int head, const QueryTile& tile, const Visi
   float p[kPageTokens];                        // one query's probabilities for the page
   int8_t k_codes[kPageTokens * kMaxHeadDimCpu];  // the INT8 path: K rows as codes, row scale and offset
   float k_scale[kPageTokens], k_lo[kPageTokens];
+  Fp8Page fp8;  // the FP8 path: the INT4 page's V as P·V operands
   const PageDesc& page = kv.pages[pg];
   bool seen = false;  // by some query of the tile (a page no query sees is skipped before its decode)
   for (int i = 0; i < n && !seen; ++i) seen = visibility.PageVisibleToRun(page, tile.seq_ids[i], tile.positions[i]);
@@ -81,7 +129,8 @@ void FoldPage(const KvEntryView& kv, int head, const QueryTile& tile, const Visi
   const uint8_t* k_bytes = kv.pool + kv.k_offsets[index];
   const uint8_t* v_bytes = kv.pool + kv.v_offsets[index];
   const int valid = page.n_valid;
-  const bool int8_qk = state->mma == MmaPath::kInt8 && HasIntegerCodes(format);  // BF16 pages: bf16 MMAs
+  const bool int8_qk = Int8Logits(state->mma) && HasIntegerCodes(format);  // BF16 pages: bf16 MMAs
+  const bool fp8_pv = state->mma == MmaPath::kFp8 && format == PageFormat::kInt4;
   for (int j = 0; j < valid; ++j) {
     if (int8_qk) {
       IntegerPageRow(format, k_bytes, d, j, k_codes + j * d, &k_scale[j], &k_lo[j]);
@@ -106,7 +155,11 @@ void FoldPage(const KvEntryView& kv, int head, const QueryTile& tile, const Visi
     }
     if (page_max == -std::numeric_limits<float>::infinity()) continue;  // nothing visible
     if (!v_decoded) {
-      for (int j = 0; j < valid; ++j) DecodePageRow(format, v_bytes, d, j, v_page + j * d);
+      if (fp8_pv) {
+        Fp8Operands(v_bytes, d, valid, &fp8);
+      } else {
+        for (int j = 0; j < valid; ++j) DecodePageRow(format, v_bytes, d, j, v_page + j * d);
+      }
       v_decoded = true;
     }
     const float m_new = std::max(m[i], page_max);
@@ -114,12 +167,16 @@ void FoldPage(const KvEntryView& kv, int head, const QueryTile& tile, const Visi
     float* a = acc + i * d;
     float sum = 0.0f;
     for (int c = 0; c < d; ++c) a[c] *= alpha;
-    for (int j = 0; j < valid; ++j) {
-      if (p[j] == -std::numeric_limits<float>::infinity()) continue;
-      const float e = expf(p[j] - m_new);
-      sum += e;
-      const float* vr = v_page + j * d;
-      for (int c = 0; c < d; ++c) a[c] += e * vr[c];
+    if (fp8_pv) {
+      state->v_off[i] = state->v_off[i] * alpha + Fp8PageSum(fp8, p, m_new, valid, d, a, &sum);
+    } else {
+      for (int j = 0; j < valid; ++j) {
+        if (p[j] == -std::numeric_limits<float>::infinity()) continue;
+        const float e = expf(p[j] - m_new);
+        sum += e;
+        const float* vr = v_page + j * d;
+        for (int c = 0; c < d; ++c) a[c] += e * vr[c];
+      }
     }
     l[i] = l[i] * alpha + sum;
     m[i] = m_new;
@@ -138,7 +195,11 @@ void FinishTile(const KvEntryView& kv, int head, int n, const TileState& state, 
       continue;
     }
     const float inv = 1.0f / state.l[i];
-    for (int c = 0; c < d; ++c) o[c] = state.acc[i * d + c] * inv;
+    if (state.mma == MmaPath::kFp8) {
+      for (int c = 0; c < d; ++c) o[c] = (state.acc[i * d + c] + state.v_off[i]) * inv;
+    } else {
+      for (int c = 0; c < d; ++c) o[c] = state.acc[i * d + c] * inv;
+    }
     if (HeadRotatesV(kv.rotate, kv.head_flags, head)) RotateInverse(o, d, kv.seed);
     for (int c = 0; c < d; ++c) o[c] *= lambda_v[c];
     for (int c = 0; c < d; ++c) o[c] += mu_v[c];

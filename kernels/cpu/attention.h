@@ -45,12 +45,15 @@ struct TileState {
   float m[kQueryTile];                      // running max per query
   float l[kQueryTile];                      // running denominator per query
   float acc[kQueryTile * kMaxHeadDimCpu];   // [n, d] running numerator (stored V domain)
-  // The MMA path's logits (mma_path.h): kInt8 takes the INT4/INT8 pages' logits from the queries'
+  // The MMA path's logits (mma_path.h): kInt8 (and kFp8) takes the INT4/INT8 pages' logits from the queries'
   // int8 codes (q_codes [n, d], their s_q and Σq̂) and the K codes, as the GPU's INT8 path does.
   MmaPath mma = MmaPath::kBf16;
   int8_t q_codes[kQueryTile * kMaxHeadDimCpu];
   float q_scale[kQueryTile];
   float q_sum[kQueryTile];
+  // kFp8: Σ_j p_j·(lo_j + 8·s_j) of the INT4 pages per query (mma_path.h), rescaled with acc and
+  // added to every channel of acc at the end; 0 on the other paths.
+  float v_off[kQueryTile];
 };
 // `mma` is the resolved path (ResolveMmaPath).
 void BeginTile(const QueryTile& tile, int d, MmaPath mma, TileState* state);

@@ -237,7 +237,8 @@ QualityResult CompareOutputs(const double* reference, const float* out, int64_t 
 Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float* v, int64_t n_k, int n_heads,
                         int head_dim, PageFormat format, const TransformOptions& transforms,
                         const AttentionOptions& attention, const CpuOptions& options, float* out,
-                        double* bits_per_value, TransformRecord* record, SparseReport* sparse_report) {
+                        double* bits_per_value, TransformRecord* record, SparseReport* sparse_report,
+                        float* bf16_path_out) {
   LayerShape shape;
   shape.n_tokens = n_k;
   shape.hidden = n_heads * head_dim;
@@ -280,6 +281,14 @@ Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float
   queries.positions = last.data();
   if (bits_per_value != nullptr) {
     *bits_per_value = 8.0 * static_cast<double>(layout.page_bytes) / (2.0 * n_k * n_heads * head_dim);
+  }
+  if (bf16_path_out != nullptr) {
+    AttentionOptions exact = attention;
+    exact.mma = MmaPath::kBf16;
+    const Error e = attention.sparse.enabled
+                        ? SparseAttendFloat(view, queries, exact, ranges, bf16_path_out, options, nullptr)
+                        : AttendFloat(view, queries, exact, bf16_path_out, options);
+    if (!e.ok()) return e;
   }
   if (attention.sparse.enabled) return SparseAttendFloat(view, queries, attention, ranges, out, options, sparse_report);
   return AttendFloat(view, queries, attention, out, options);

@@ -94,10 +94,12 @@ QualityResult CompareOutputs(const double* reference, const float* out, int64_t 
 // runs (sparse_attention.h) and adds its tallies to *sparse_report (may be null); its query blocks
 // follow the pages of the queries' positions: query i at position i when n_q == n_k (self-attention,
 // the layer's blocks), otherwise every query at n_k − 1 (blocks of 128 consecutive queries).
+// bf16_path_out (may be null): also the bf16 MMA path's output over the same entry (the same pages and
+// per-head choice, which a run with attention.mma = bf16 may choose differently), [n_q, H, d].
 Error AttendPackedFloat(const float* q, int64_t n_q, const float* k, const float* v, int64_t n_k, int n_heads,
                         int head_dim, PageFormat format, const TransformOptions& transforms,
                         const AttentionOptions& attention, const CpuOptions& options, float* out,
                         double* bits_per_value, TransformRecord* record = nullptr,
-                        SparseReport* sparse_report = nullptr);
+                        SparseReport* sparse_report = nullptr, float* bf16_path_out = nullptr);
 
 }  // namespace kvpack::cpu

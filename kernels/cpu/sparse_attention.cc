@@ -48,6 +48,7 @@ void FoldPooled(TileState* state, int i, int d, float s, float count, const uint
   float* a = state->acc + i * d;
   for (int c = 0; c < d; ++c) a[c] = a[c] * alpha + e * Bf16ToFloat(v_sum[c]);
   state->l[i] = state->l[i] * alpha + count * e;
+  state->v_off[i] *= alpha;
   state->m[i] = m_new;
 }
 
@@ -219,9 +220,9 @@ void AttendTileRouted(const KvEntryView& kv, const PageStatsView& stats, int hea
     const float count = static_cast<float>(kv.pages[pg].n_valid);
     int8_t k_codes[kMaxHeadDimCpu];
     float k_scale = 0.0f;
-    if (mma == MmaPath::kInt8) k_scale = PooledKeyCodes(mean_k + pg * d, d, k_codes);
+    if (Int8Logits(mma)) k_scale = PooledKeyCodes(mean_k + pg * d, d, k_codes);
     for (int q = 0; q < tile.n; ++q) {
-      const float s = mma == MmaPath::kInt8
+      const float s = Int8Logits(mma)
                           ? scale * (state.q_scale[q] * k_scale * static_cast<float>(IntDot(state.q_codes + q * d, k_codes, d)))
                           : scale * DotBf16(tile.q + q * d, mean_k + pg * d, d);
       FoldPooled(&state, q, d, s, count, v_sum + pg * d);

@@ -83,8 +83,9 @@ Error LaunchAttention(const AttentionParams& params, cudaStream_t stream) {
   if (params.n_q == 0) return Error::Ok();
   AttentionTilingChoice tiling;
   KVPACK_RETURN_IF_ERROR(Resolve(params, &tiling));
-  if (params.mma != MmaPath::kBf16 && params.mma != MmaPath::kInt8) {
-    return InvalidArgument("attention: mma path " + std::string(MmaPathName(params.mma)) + " is not resolved");
+  if (params.mma != MmaPath::kBf16 && params.mma != MmaPath::kInt8) {  // kAuto unresolved; kFp8 not built
+    return InvalidArgument("attention: mma path " + std::string(MmaPathName(params.mma)) +
+                           " has no GPU kernel (the launch takes a resolved bf16 or int8)");
   }
   if (tiling == AttentionTilingChoice::kWgmma) return LaunchAttentionSm90(params, stream);
   return LaunchAttentionSm80(params, tiling, stream);

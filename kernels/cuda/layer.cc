@@ -173,6 +173,9 @@ Error ResolveLayerKernel(const LayerConfig& c, AttentionTilingChoice requested, 
                          MmaPath* mma) {
   KVPACK_RETURN_IF_ERROR(ResolveAttentionTiling(c.shape.head_dim, MaxPageBytes(c), requested, tiling));
   *mma = ConfigMmaPath(c);
+  if (*mma == MmaPath::kFp8) {
+    return Unsupported("attention.mma = fp8: the CPU reference emulates it (mma_path.h); no GPU kernel runs it yet");
+  }
   return Error::Ok();
 }
 

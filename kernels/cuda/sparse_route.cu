@@ -436,7 +436,7 @@ SparseRegion PlanSparseRegion(const LayerConfig& c) {
   if (!c.attention.sparse.enabled) return r;
   const uint64_t P = SparsePageCount(c), H = c.shape.n_heads, d = c.shape.head_dim;
   const uint64_t blocks = SparseBlocksPerChunk(c);
-  const bool codes = ConfigMmaPath(c) == MmaPath::kInt8;
+  const bool codes = Int8Logits(ConfigMmaPath(c));
   r.codes = codes;
   r.words = static_cast<int>((P + 31) / 32);
   r.mean_k = 0;

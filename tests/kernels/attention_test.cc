@@ -154,6 +154,73 @@ TEST(Attention, Int8MmaPathStaysWithinItsBoundOfTheExactPath) {
   }
 }
 
+// The FP8 path (mma_path.h kFp8; the CPU's emulation, no GPU kernel yet): on INT4 pages P·V from e4m3
+// P' and centred codes, within the bounds (total error ×1.10 of the bf16 path, its own error
+// mma_rel_l2 ≤ 0.02); on INT8 pages it is the INT8 path (P·V in bf16).
+constexpr double kFp8MmaErrorRatioInt4 = 1.10;
+constexpr double kFp8MmaRelL2Int4 = 0.02;
+
+TEST(Attention, Fp8MmaPathStaysWithinItsBoundOfTheExactPath) {
+  for (int d : {64, 128}) {
+    const Problem p = MakeProblem(64, 1000, 2, d, 31 + d);
+    const QueryBlock queries = AllQueries(p);
+    const std::vector<double> ref = Reference(p, queries, nullptr, {});
+    AttentionOptions bf16, int8, fp8;
+    bf16.mma = MmaPath::kBf16;
+    int8.mma = MmaPath::kInt8;
+    fp8.mma = MmaPath::kFp8;
+    const std::vector<TokenRange> int4 = {{0, p.n_k, 0, PageFormat::kInt4}};
+    const std::vector<float> exact = Attend(p, int4, TransformOptions{}, queries, bf16, 2);
+    const std::vector<float> s_int8 = Attend(p, int4, TransformOptions{}, queries, int8, 2);
+    const std::vector<float> quant = Attend(p, int4, TransformOptions{}, queries, fp8, 2);
+    const double e_exact = CompareOutputs(ref.data(), exact.data(), p.n_q, p.heads, p.d).rel_l2;
+    const double e_quant = CompareOutputs(ref.data(), quant.data(), p.n_q, p.heads, p.d).rel_l2;
+    std::vector<double> exact_d(exact.begin(), exact.end()), int8_d(s_int8.begin(), s_int8.end());
+    const double mma_rel_l2 = CompareOutputs(exact_d.data(), quant.data(), p.n_q, p.heads, p.d).rel_l2;
+    const double pv_rel_l2 = CompareOutputs(int8_d.data(), quant.data(), p.n_q, p.heads, p.d).rel_l2;
+    std::printf("d=%d INT4: rel L2 vs FP64 bf16 path %.5f, fp8 path %.5f (ratio %.3f); fp8 vs bf16 path %.5f, vs the "
+                "int8 path (its P·V alone) %.5f\n",
+                d, e_exact, e_quant, e_quant / e_exact, mma_rel_l2, pv_rel_l2);
+    EXPECT_GT(pv_rel_l2, 0.0) << "P·V in e4m3 computes something of its own";
+    EXPECT_LT(mma_rel_l2, kFp8MmaRelL2Int4);
+    EXPECT_LT(e_quant, e_exact * kFp8MmaErrorRatioInt4);
+    const std::vector<TokenRange> int8_pages = {{0, p.n_k, 0, PageFormat::kInt8}};
+    EXPECT_EQ(Attend(p, int8_pages, TransformOptions{}, queries, fp8, 2),
+              Attend(p, int8_pages, TransformOptions{}, queries, int8, 2))
+        << "INT8 pages take P·V in bf16 on the FP8 path";
+  }
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kFp8, /*has_bf16_pages=*/true, 128, true), MmaPath::kBf16);
+  EXPECT_EQ(ResolveMmaPath(MmaPath::kFp8, false, 64, false), MmaPath::kFp8);
+  EXPECT_NE(ResolveMmaPath(MmaPath::kAuto, false, 128, true), MmaPath::kFp8) << "auto never takes fp8 (not on a GPU)";
+}
+
+// Fp8E4m3Round against the e4m3 values themselves: each is kept; the midpoint of two neighbours goes to
+// the one with the even code, a hair off it to the nearer; beyond 448 saturates; NaN stays NaN.
+TEST(Attention, Fp8E4m3RoundIsRoundToNearestEvenSaturating) {
+  std::vector<float> values;  // codes 0x00…0x7e, ascending
+  for (int code = 0; code <= 0x7e; ++code) {
+    const int e = code >> 3, m = code & 7;
+    values.push_back(e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7));
+  }
+  ASSERT_EQ(values.back(), kE4m3Max);
+  ASSERT_EQ(values[8], kE4m3MinNormal);
+  for (size_t i = 0; i < values.size(); ++i) {
+    EXPECT_EQ(Fp8E4m3Round(values[i]), values[i]) << "code " << i;
+    EXPECT_EQ(Fp8E4m3Round(-values[i]), -values[i]) << "code " << i;
+    if (i + 1 == values.size()) break;
+    const float lo = values[i], hi = values[i + 1], mid = 0.5f * (lo + hi);
+    EXPECT_EQ(Fp8E4m3Round(mid), i % 2 == 0 ? lo : hi) << "midpoint of codes " << i << ", " << i + 1;
+    EXPECT_EQ(Fp8E4m3Round(std::nextafter(mid, 0.0f)), lo) << "below the midpoint of codes " << i << ", " << i + 1;
+    EXPECT_EQ(Fp8E4m3Round(std::nextafter(mid, kE4m3Max)), hi) << "above the midpoint of codes " << i << ", " << i + 1;
+  }
+  for (float big : {448.5f, 464.0f, 479.9f, 480.0f, 1e6f, INFINITY}) EXPECT_EQ(Fp8E4m3Round(big), kE4m3Max) << big;
+  EXPECT_EQ(Fp8E4m3Round(-1e6f), -kE4m3Max);
+  EXPECT_EQ(Fp8E4m3Round(std::ldexp(1.0f, -11)), 0.0f);
+  EXPECT_TRUE(std::isnan(Fp8E4m3Round(NAN)));
+  EXPECT_EQ(Fp8PageFactor(0.0f), 0.0f);
+  EXPECT_EQ(Fp8PageFactor(0.5f), 512.0f);
+}
+
 TEST(Attention, Int8MmaOnAnEntryWithBf16PagesIsTheBf16Path) {
   const Problem p = MakeProblem(30, 300, 2, 64, 29);
   const QueryBlock queries = AllQueries(p);

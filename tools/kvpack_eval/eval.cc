@@ -83,7 +83,8 @@ const char kEvalUsage[] =
     "       kvpack-eval --locality F:Y:X:T:H:d [--data locality|qknorm|iid] [--seed S] [same options]\n"
     "Any of them with --sparse topk=R|tau=T [--no-tail] [--sink-pages K] [--min-exact-pages K]: block-sparse\n"
     "attention; the JSON adds routed_fraction and the dense packed path's dense_rel_l2 and dense_cosine.\n"
-    "--mma auto|bf16|int8: the tensor-core arithmetic (kernels/mma_path.h; auto as the daemon resolves it);\n"
+    "--mma auto|bf16|int8|fp8: the tensor-core arithmetic (kernels/mma_path.h; auto as the daemon resolves it;\n"
+    "fp8 is the CPU's emulation of a path no GPU kernel runs yet);\n"
     "the JSON names the path run (mma) and its own error, mma_rel_l2: its output vs the exact (fp32) attention\n"
     "over the same pages (0 on the bf16 path).\n"
     "--dump DIR also writes the inputs (files, synthetic or locality data) as DIR/q.npy, k.npy, v.npy\n"
@@ -118,7 +119,8 @@ bool ParseEvalArgs(const std::vector<std::string>& args, EvalOptions* o, std::st
       if (v == "auto") o->mma = MmaPath::kAuto;
       else if (v == "bf16") o->mma = MmaPath::kBf16;
       else if (v == "int8") o->mma = MmaPath::kInt8;
-      else return *error = "--mma " + v + ": expected auto, bf16 or int8", false;
+      else if (v == "fp8") o->mma = MmaPath::kFp8;
+      else return *error = "--mma " + v + ": expected auto, bf16, int8 or fp8", false;
     } else if (a == "--no-rotate") {
       o->transforms.rotate = false;
     } else if (a == "--no-smooth") {
@@ -325,23 +327,18 @@ int RunEval(const EvalOptions& o, std::string* json, std::string* error) {
   cpu::ReferenceAttention(queries, k.data.data(), v.data.data(), nullptr, n_k, shape.n_heads, shape.head_dim, attention,
                           ref.data());
   std::vector<float> out(q.data.size());
+  // The MMA path's own error: its output against the exact (fp32, bf16-MMA) path over the same pages
+  // (the same entry: the per-head choice may differ between the paths when each packs its own).
+  std::vector<float> exact(mma != MmaPath::kBf16 ? q.data.size() : 0);
   double bits = 0.0;
   cpu::TransformRecord record;
   const Error e = cpu::AttendPackedFloat(q.data.data(), n_q, k.data.data(), v.data.data(), n_k, shape.n_heads,
                                          shape.head_dim, o.format, o.transforms, attention, cpu::CpuOptions{o.threads},
-                                         out.data(), &bits, &record);
+                                         out.data(), &bits, &record, nullptr, exact.empty() ? nullptr : exact.data());
   if (!e.ok()) return *error = e.message(), kExitInternal;
   const cpu::QualityResult dense = cpu::CompareOutputs(ref.data(), out.data(), n_q, shape.n_heads, shape.head_dim);
-  // The MMA path's own error: its output against the exact (fp32, bf16-MMA) path over the same pages.
   double mma_rel_l2 = 0.0;
-  if (mma != MmaPath::kBf16) {
-    AttentionOptions exact_attention = attention;
-    exact_attention.mma = MmaPath::kBf16;
-    std::vector<float> exact(q.data.size());
-    const Error xe = cpu::AttendPackedFloat(q.data.data(), n_q, k.data.data(), v.data.data(), n_k, shape.n_heads,
-                                            shape.head_dim, o.format, o.transforms, exact_attention,
-                                            cpu::CpuOptions{o.threads}, exact.data(), nullptr, nullptr);
-    if (!xe.ok()) return *error = xe.message(), kExitInternal;
+  if (!exact.empty()) {
     const std::vector<double> exact_d(exact.begin(), exact.end());
     mma_rel_l2 = cpu::CompareOutputs(exact_d.data(), out.data(), n_q, shape.n_heads, shape.head_dim).rel_l2;
   }
