@@ -24,11 +24,12 @@
 //                     (bf16, or their int8 codes on the INT8 MMA path) and V sums, copied, weighted by
 //                     token count in the softmax sum. Either MMA path (mma_path.h), as dense launches;
 //                     the pooled slices follow the exact pages in the last window's pipeline. H3
-//                     top-k 0.2 on an H100, INT8 S: attention 407–410 ms where bf16 S took 431–433
-//                     and one routing per 64 queries, each group walking its own list a page at a
-//                     time, 509 (bench/RESULTS.md, sessions 8, 13, 17–19, with what else was tried);
-//                     at top-k 1.0 (the dense launch's pages, all exact) it takes 1.11× the dense
-//                     kernel's time with 3.8% more instructions (session 20: stalls, not memory).
+//                     top-k 0.2 on an H100, INT8 S: attention 389–392 ms (0.242× dense) where a CTA
+//                     per page slot (the partner's returning at once) and row sums apart from the
+//                     exponentials took 407–409, bf16 S 431–433, and one routing per 64 queries, each
+//                     group walking its own list a page at a time, 509 (bench/RESULTS.md, sessions 8,
+//                     13, 17–21, with what else was tried); at top-k 1.0 (the dense launch's pages,
+//                     all exact) it takes 1.03× the dense kernel's time (1.11× before session 21).
 //                     Elsewhere one CTA of 4 warps × 16 rows per (page of queries, head)
 //                     (attention_sparse.cu, mma.sync, every arch), reading its block's routing: the
 //                     exact pages in ascending order (raw copy, codec decode, S = Q·Kᵀ, masks, online
