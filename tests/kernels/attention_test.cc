@@ -126,6 +126,28 @@ TEST(Attention, PlainHeadsAttendAsAnUnrotatedEntry) {
   EXPECT_LT(CompareOutputs(ref.data(), mixed.data(), p.n_q, p.heads, p.d).rel_l2, kRelL2Int8);
 }
 
+// An MMA path over all of p's keys in one format, beside the bf16 path: outputs and rel L2 errors.
+struct PathRun {
+  std::vector<float> out, exact;  // the path's output; the bf16 path's
+  double error = 0.0;             // the path's vs FP64 (ref)
+  double exact_error = 0.0;       // the bf16 path's vs FP64
+  double own_error = 0.0;         // the path's vs the bf16 path's (mma_rel_l2)
+};
+PathRun RunPath(const Problem& p, const std::vector<double>& ref, PageFormat f, MmaPath path) {
+  AttentionOptions bf16, quant;
+  bf16.mma = MmaPath::kBf16;
+  quant.mma = path;
+  const std::vector<TokenRange> ranges = {{0, p.n_k, 0, f}};
+  PathRun r;
+  r.exact = Attend(p, ranges, TransformOptions{}, AllQueries(p), bf16, 2);
+  r.out = Attend(p, ranges, TransformOptions{}, AllQueries(p), quant, 2);
+  r.exact_error = CompareOutputs(ref.data(), r.exact.data(), p.n_q, p.heads, p.d).rel_l2;
+  r.error = CompareOutputs(ref.data(), r.out.data(), p.n_q, p.heads, p.d).rel_l2;
+  const std::vector<double> exact_d(r.exact.begin(), r.exact.end());
+  r.own_error = CompareOutputs(exact_d.data(), r.out.data(), p.n_q, p.heads, p.d).rel_l2;
+  return r;
+}
+
 // The INT8 MMA path (mma_path.h) against FP64, relative to the bf16 path's error on the same pages:
 // the bounds (INT4 ×1.10, INT8 ×1.5).
 constexpr double kInt8MmaErrorRatioInt4 = 1.10;
@@ -134,22 +156,13 @@ constexpr double kInt8MmaErrorRatioInt8 = 1.5;
 TEST(Attention, Int8MmaPathStaysWithinItsBoundOfTheExactPath) {
   for (int d : {64, 128}) {
     const Problem p = MakeProblem(64, 1000, 2, d, 23 + d);
-    const QueryBlock queries = AllQueries(p);
-    const std::vector<double> ref = Reference(p, queries, nullptr, {});
+    const std::vector<double> ref = Reference(p, AllQueries(p), nullptr, {});
     for (PageFormat f : {PageFormat::kInt4, PageFormat::kInt8}) {
-      AttentionOptions bf16, int8;
-      bf16.mma = MmaPath::kBf16;
-      int8.mma = MmaPath::kInt8;
-      const std::vector<float> exact = Attend(p, {{0, p.n_k, 0, f}}, TransformOptions{}, queries, bf16, 2);
-      const std::vector<float> quant = Attend(p, {{0, p.n_k, 0, f}}, TransformOptions{}, queries, int8, 2);
-      const double e_exact = CompareOutputs(ref.data(), exact.data(), p.n_q, p.heads, p.d).rel_l2;
-      const double e_quant = CompareOutputs(ref.data(), quant.data(), p.n_q, p.heads, p.d).rel_l2;
-      std::vector<double> exact_d(exact.begin(), exact.end());
-      const double mma_rel_l2 = CompareOutputs(exact_d.data(), quant.data(), p.n_q, p.heads, p.d).rel_l2;
+      const PathRun r = RunPath(p, ref, f, MmaPath::kInt8);
       std::printf("d=%d format %d: rel L2 vs FP64 bf16 path %.5f, int8 path %.5f (ratio %.3f); int8 vs bf16 path %.5f\n",
-                  d, static_cast<int>(f), e_exact, e_quant, e_quant / e_exact, mma_rel_l2);
-      EXPECT_NE(quant, exact) << "the INT8 path computes something of its own";
-      EXPECT_LT(e_quant, e_exact * (f == PageFormat::kInt4 ? kInt8MmaErrorRatioInt4 : kInt8MmaErrorRatioInt8));
+                  d, static_cast<int>(f), r.exact_error, r.error, r.error / r.exact_error, r.own_error);
+      EXPECT_NE(r.out, r.exact) << "the INT8 path computes something of its own";
+      EXPECT_LT(r.error, r.exact_error * (f == PageFormat::kInt4 ? kInt8MmaErrorRatioInt4 : kInt8MmaErrorRatioInt8));
     }
   }
 }
@@ -163,30 +176,23 @@ constexpr double kFp8MmaRelL2Int4 = 0.02;
 TEST(Attention, Fp8MmaPathStaysWithinItsBoundOfTheExactPath) {
   for (int d : {64, 128}) {
     const Problem p = MakeProblem(64, 1000, 2, d, 31 + d);
-    const QueryBlock queries = AllQueries(p);
-    const std::vector<double> ref = Reference(p, queries, nullptr, {});
-    AttentionOptions bf16, int8, fp8;
-    bf16.mma = MmaPath::kBf16;
-    int8.mma = MmaPath::kInt8;
-    fp8.mma = MmaPath::kFp8;
-    const std::vector<TokenRange> int4 = {{0, p.n_k, 0, PageFormat::kInt4}};
-    const std::vector<float> exact = Attend(p, int4, TransformOptions{}, queries, bf16, 2);
-    const std::vector<float> s_int8 = Attend(p, int4, TransformOptions{}, queries, int8, 2);
-    const std::vector<float> quant = Attend(p, int4, TransformOptions{}, queries, fp8, 2);
-    const double e_exact = CompareOutputs(ref.data(), exact.data(), p.n_q, p.heads, p.d).rel_l2;
-    const double e_quant = CompareOutputs(ref.data(), quant.data(), p.n_q, p.heads, p.d).rel_l2;
-    std::vector<double> exact_d(exact.begin(), exact.end()), int8_d(s_int8.begin(), s_int8.end());
-    const double mma_rel_l2 = CompareOutputs(exact_d.data(), quant.data(), p.n_q, p.heads, p.d).rel_l2;
-    const double pv_rel_l2 = CompareOutputs(int8_d.data(), quant.data(), p.n_q, p.heads, p.d).rel_l2;
+    const std::vector<double> ref = Reference(p, AllQueries(p), nullptr, {});
+    const PathRun r = RunPath(p, ref, PageFormat::kInt4, MmaPath::kFp8);
+    const PathRun s_int8 = RunPath(p, ref, PageFormat::kInt4, MmaPath::kInt8);
+    const std::vector<double> int8_d(s_int8.out.begin(), s_int8.out.end());
+    const double pv_rel_l2 = CompareOutputs(int8_d.data(), r.out.data(), p.n_q, p.heads, p.d).rel_l2;
     std::printf("d=%d INT4: rel L2 vs FP64 bf16 path %.5f, fp8 path %.5f (ratio %.3f); fp8 vs bf16 path %.5f, vs the "
                 "int8 path (its P·V alone) %.5f\n",
-                d, e_exact, e_quant, e_quant / e_exact, mma_rel_l2, pv_rel_l2);
+                d, r.exact_error, r.error, r.error / r.exact_error, r.own_error, pv_rel_l2);
     EXPECT_GT(pv_rel_l2, 0.0) << "P·V in e4m3 computes something of its own";
-    EXPECT_LT(mma_rel_l2, kFp8MmaRelL2Int4);
-    EXPECT_LT(e_quant, e_exact * kFp8MmaErrorRatioInt4);
+    EXPECT_LT(r.own_error, kFp8MmaRelL2Int4);
+    EXPECT_LT(r.error, r.exact_error * kFp8MmaErrorRatioInt4);
+    AttentionOptions int8, fp8;
+    int8.mma = MmaPath::kInt8;
+    fp8.mma = MmaPath::kFp8;
     const std::vector<TokenRange> int8_pages = {{0, p.n_k, 0, PageFormat::kInt8}};
-    EXPECT_EQ(Attend(p, int8_pages, TransformOptions{}, queries, fp8, 2),
-              Attend(p, int8_pages, TransformOptions{}, queries, int8, 2))
+    EXPECT_EQ(Attend(p, int8_pages, TransformOptions{}, AllQueries(p), fp8, 2),
+              Attend(p, int8_pages, TransformOptions{}, AllQueries(p), int8, 2))
         << "INT8 pages take P·V in bf16 on the FP8 path";
   }
   EXPECT_EQ(ResolveMmaPath(MmaPath::kFp8, /*has_bf16_pages=*/true, 128, true), MmaPath::kBf16);
