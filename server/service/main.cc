@@ -4,12 +4,17 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <dirent.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <condition_variable>
 #include <cstdio>
 #include <fstream>
@@ -26,6 +31,39 @@
 
 namespace kvpack::server {
 namespace {
+
+// Waits, up to `limit`, until the peer of every connected stream socket of the process has closed
+// its end (each client has read what was sent and hung up), so that leaving does not close a socket
+// with unread bytes: that sends RST, and a peer that gets RST may drop data it has not read yet — the
+// last call's status (the client saw UNAVAILABLE, "Connection reset by peer"). Only watches: gRPC's
+// threads keep reading and writing these sockets. Returns how many peers were still connected.
+int WaitForPeersToHangUp(std::chrono::milliseconds limit) {
+  std::vector<pollfd> open;
+  if (DIR* dir = opendir("/proc/self/fd")) {
+    while (const dirent* e = readdir(dir)) {
+      const int fd = std::atoi(e->d_name);
+      struct stat st;
+      if (e->d_name[0] == '.' || fd == dirfd(dir) || fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+      sockaddr_storage peer;
+      socklen_t len = sizeof(peer);
+      int type = 0;
+      socklen_t type_len = sizeof(type);
+      if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &type_len) != 0 || type != SOCK_STREAM) continue;
+      if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) != 0) continue;  // listening or unconnected
+      open.push_back({fd, POLLRDHUP, 0});
+    }
+    closedir(dir);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!open.empty()) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0 || poll(open.data(), open.size(), static_cast<int>(left.count())) < 0) break;
+    open.erase(std::remove_if(open.begin(), open.end(),
+                              [](const pollfd& p) { return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0; }),
+               open.end());
+  }
+  return static_cast<int>(open.size());
+}
 
 constexpr char kVersion[] = "0.1.0";
 
@@ -229,11 +267,14 @@ int Main(int argc, char** argv) {
   cv.notify_all();
   ticker.join();
   server->Wait();
-  // Every call has ended, but the last statuses may still sit in their transports' write queues:
-  // tearing the server down at once lost one now and then (the client saw UNAVAILABLE, "Connection
-  // reset by peer", in ~1 of 11 runs of daemon_test's DrainsInFlightWorkOnSigterm under load). 200 ms
-  // still lost one in a CI run on 2 cores (2026-12-04): the client must be scheduled to read it.
-  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  // Every call has ended, but the last statuses may still be on their way: leaving at once lost one
+  // now and then (the client saw UNAVAILABLE, "Connection reset by peer": ~1 of 11 runs of
+  // daemon_test's DrainsInFlightWorkOnSigterm under load), and so did a fixed wait of 200 ms, then of
+  // 1 s (cancel_test's SigtermFinishesTheRunningLayerAndRejectsQueuedOnes, 2 cores under load,
+  // 2026-12-07): the clients must be scheduled to read them. So wait until they hang up (after the
+  // GOAWAY of Shutdown a client closes its connection once its calls are done), 3 s at most.
+  const int connected = WaitForPeersToHangUp(std::chrono::milliseconds(3000));
+  if (connected > 0) std::fprintf(stderr, "kvpackd: %d connection(s) still open after 3 s; closing them\n", connected);
   server.reset();
   std::fprintf(stderr, "kvpackd: drained; exiting\n");
   // Every call has finished and every job has run; the pool and mappings go with the process. The
