@@ -78,15 +78,18 @@ Error ResolveAttentionTiling(int head_dim, int max_page_bytes, AttentionTilingCh
   return ResolveAttentionTiling(head_dim, max_page_bytes, AttentionTilingChoice::kAuto, resolved);
 }
 
+Error RequireKernelMmaPath(MmaPath mma, const char* what) {
+  if (mma == MmaPath::kBf16 || mma == MmaPath::kInt8) return Error::Ok();
+  return InvalidArgument(std::string(what) + ": mma path " + MmaPathName(mma) +
+                         " has no GPU kernel (the launch takes a resolved bf16 or int8)");
+}
+
 Error LaunchAttention(const AttentionParams& params, cudaStream_t stream) {
   KVPACK_RETURN_IF_ERROR(AttentionSupported(params.kv));
   if (params.n_q == 0) return Error::Ok();
   AttentionTilingChoice tiling;
   KVPACK_RETURN_IF_ERROR(Resolve(params, &tiling));
-  if (params.mma != MmaPath::kBf16 && params.mma != MmaPath::kInt8) {  // kAuto unresolved; kFp8 not built
-    return InvalidArgument("attention: mma path " + std::string(MmaPathName(params.mma)) +
-                           " has no GPU kernel (the launch takes a resolved bf16 or int8)");
-  }
+  KVPACK_RETURN_IF_ERROR(RequireKernelMmaPath(params.mma, "attention"));
   if (tiling == AttentionTilingChoice::kWgmma) return LaunchAttentionSm90(params, stream);
   return LaunchAttentionSm80(params, tiling, stream);
 }

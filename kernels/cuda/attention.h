@@ -83,6 +83,9 @@ struct AttentionParams {
 
 // OK for head_dim 64 / 128 and a non-empty entry.
 Error AttentionSupported(const KvEntryView& kv);
+// OK for an MMA path the GPU kernels run (kBf16, kInt8); `what` names the launch in the error (kAuto
+// unresolved, kFp8 with no GPU kernel).
+Error RequireKernelMmaPath(MmaPath mma, const char* what);
 // Bytes of dynamic shared memory one CTA of `tiling` uses (part of Launch's answer to the planner;
 // no global workspace is needed): kernels/attention_smem.h's figures. kAuto / kMmaSync: the largest
 // of the choices they may become.

@@ -249,10 +249,7 @@ Error Launch(const SparseChunk& chunk, cudaStream_t stream) {
 
 Error LaunchSparseAttention(const SparseChunk& chunk, cudaStream_t stream) {
   if (chunk.attention.route.n_blocks <= 0) return Error::Ok();
-  if (chunk.attention.mma != MmaPath::kBf16 && chunk.attention.mma != MmaPath::kInt8) {
-    return InvalidArgument("sparse attention: mma path " + std::string(MmaPathName(chunk.attention.mma)) +
-                           " has no GPU kernel (the launch takes a resolved bf16 or int8)");
-  }
+  KVPACK_RETURN_IF_ERROR(RequireKernelMmaPath(chunk.attention.mma, "sparse attention"));
   if (chunk.attention.tiling == AttentionTilingChoice::kWgmma) {
     if (chunk.attention.route.leads == nullptr || chunk.attention.route.n_leads <= 0) {
       return InvalidArgument("sparse attention: route.leads (the chunk's blocks) must be set");
