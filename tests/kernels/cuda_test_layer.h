@@ -205,8 +205,8 @@ inline std::vector<int32_t> TokenSeqIds(const LayerConfig& c) {
 }
 
 // FP64 attention of q over k, v ([N, H, d] floats) with sequence and causal masks; out [N, H, d].
-std::vector<double> Attend(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
-                           const std::vector<int32_t>& seq, int heads, int dim, bool causal, double scale) {
+inline std::vector<double> Attend(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
+                                  const std::vector<int32_t>& seq, int heads, int dim, bool causal, double scale) {
   const int64_t n = static_cast<int64_t>(seq.size());
   std::vector<double> out(n * heads * dim);
   ParallelFor(n * heads, [&](int64_t job) {
