@@ -447,7 +447,9 @@ TEST(SparseAttention, QueryBlockLeadsTileThePagesAndTheChunks) {
   std::vector<int> block_of(n_pages, -1);
   for (size_t k = 0; k < leads.size(); ++k) {
     ASSERT_TRUE(LeadsQueryBlock(pages.data(), n_pages, leads[k]));
-    if (k > 0) EXPECT_LT(leads[k - 1], leads[k]);
+    if (k > 0) {
+      EXPECT_LT(leads[k - 1], leads[k]);
+    }
     for (int i = 0; i < QueryBlockPages(pages.data(), n_pages, leads[k]); ++i) {
       EXPECT_EQ(block_of[leads[k] + i], -1) << "page " << leads[k] + i << " in two blocks";
       block_of[leads[k] + i] = static_cast<int>(k);
