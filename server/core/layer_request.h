@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/layer_spec.h"
@@ -24,6 +25,16 @@ struct RangeRequest {
   bool always_attend = false;   // block-sparse attention: TokenRange::always_attend
   bool attend_densely = false;  // block-sparse attention: TokenRange::attend_densely
 };
+
+// Tokens [begin, end) of sequence seq_id in the given formats, best first; the rest as defaulted.
+inline RangeRequest MakeRange(int64_t begin, int64_t end, int32_t seq_id, std::vector<PageFormat> allowed) {
+  RangeRequest range;
+  range.begin = begin;
+  range.end = end;
+  range.seq_id = seq_id;
+  range.allowed = std::move(allowed);
+  return range;
+}
 
 // Estimated relative L2 error of the layer's output with every key in format f (index PageFormat),
 // from the per-head choice's sample estimate (kernels/transform_choice.h EstimatedRelError).

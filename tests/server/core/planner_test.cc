@@ -4,8 +4,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <utility>
-#include <vector>
 
 #include "server/core/pool.h"
 
@@ -22,21 +20,12 @@ PlannerCosts TestCosts() {
   return costs;
 }
 
-// A range of one sequence (id 0) in the given formats, best first.
-RangeRequest Range(int64_t begin, int64_t end, std::vector<PageFormat> allowed) {
-  RangeRequest range;
-  range.begin = begin;
-  range.end = end;
-  range.allowed = std::move(allowed);
-  return range;
-}
-
 LayerRequest ThreeRanges() {
   LayerRequest r;
   r.shape = {3000, 256, 4, 64};
-  r.ranges = {Range(0, 200, {PageFormat::kBf16}),                                      // text: bf16 only
-              Range(200, 1000, {PageFormat::kBf16, PageFormat::kInt8, PageFormat::kInt4}),  // reference
-              Range(1000, 3000, {PageFormat::kInt8, PageFormat::kInt4})};             // generated
+  r.ranges = {MakeRange(0, 200, 0, {PageFormat::kBf16}),                                         // text: bf16 only
+              MakeRange(200, 1000, 0, {PageFormat::kBf16, PageFormat::kInt8, PageFormat::kInt4}),  // reference
+              MakeRange(1000, 3000, 0, {PageFormat::kInt8, PageFormat::kInt4})};                   // generated
   return r;
 }
 
@@ -263,10 +252,10 @@ TEST(Planner, ErrorBudgetNeedsAnEstimateAndAPositiveValue) {
 TEST(Planner, LongSequenceLatency) {
   LayerRequest r;
   r.shape = {152263, 7168, 56, 128};
-  r.ranges = {Range(0, 512, {PageFormat::kBf16}),
-              Range(512, 20000, {PageFormat::kBf16, PageFormat::kInt8, PageFormat::kInt4}),
-              Range(20000, 40000, {PageFormat::kInt8, PageFormat::kInt4}),
-              Range(40000, 152263, {PageFormat::kInt8, PageFormat::kInt4})};
+  r.ranges = {MakeRange(0, 512, 0, {PageFormat::kBf16}),
+              MakeRange(512, 20000, 0, {PageFormat::kBf16, PageFormat::kInt8, PageFormat::kInt4}),
+              MakeRange(20000, 40000, 0, {PageFormat::kInt8, PageFormat::kInt4}),
+              MakeRange(40000, 152263, 0, {PageFormat::kInt8, PageFormat::kInt4})};
   const PlannerCosts costs = TestCosts();
   constexpr int kIters = 20;
   const auto start = std::chrono::steady_clock::now();

@@ -150,7 +150,7 @@ Ran RunOnEngine(Engine& engine, const client::SyntheticLayer& L, const std::stri
   request.shape = {L.spec.n_tokens, L.spec.hidden, L.spec.n_heads, L.spec.head_dim};
   int64_t begin = 0;
   for (const auto& r : L.spec.ranges) {
-    RangeRequest rr{begin, begin + r.tokens, r.seq_id, {}};
+    RangeRequest rr = MakeRange(begin, begin + r.tokens, r.seq_id, {});
     for (v1::Format f : r.allowed) {
       rr.allowed.push_back(f == v1::FORMAT_BF16 ? PageFormat::kBf16 : f == v1::FORMAT_INT8 ? PageFormat::kInt8 : PageFormat::kInt4);
     }
@@ -278,7 +278,7 @@ Ran RunProjected(Engine& engine, const std::vector<uint16_t>& fused, int64_t n, 
   const int64_t hd = static_cast<int64_t>(heads) * head_dim;
   LayerRequest request;
   request.shape = {n, static_cast<int>(hd), heads, head_dim};
-  request.ranges = {{0, n / 3, 0, {PageFormat::kBf16}}, {n / 3, n, 1, {PageFormat::kInt8, PageFormat::kInt4}}};
+  request.ranges = {MakeRange(0, n / 3, 0, {PageFormat::kBf16}), MakeRange(n / 3, n, 1, {PageFormat::kInt8, PageFormat::kInt4})};
   request.attention.causal = true;
   request.projected = {true, 3 * hd, head_dim, n, 0};
   Ran ran;
