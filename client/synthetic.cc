@@ -19,11 +19,11 @@ absl::StatusOr<v1::Format> ParseFormat(const std::string& s) {
   return absl::InvalidArgumentError("format \"" + s + "\": expected int4, int8 or bf16");
 }
 
+}  // namespace
+
 PageFormat ToPage(v1::Format f) {
   return f == v1::FORMAT_BF16 ? PageFormat::kBf16 : f == v1::FORMAT_INT8 ? PageFormat::kInt8 : PageFormat::kInt4;
 }
-
-}  // namespace
 
 absl::StatusOr<std::vector<SyntheticRange>> ParseRanges(const std::string& text, int64_t n_tokens) {
   std::vector<SyntheticRange> out;

@@ -35,6 +35,9 @@ struct SyntheticSpec {
   uint64_t seed = 1;
 };
 
+// The page format of a wire format (FORMAT_UNSPECIFIED and unknown values: INT4, the default).
+PageFormat ToPage(v1::Format f);
+
 // "LEN:FMT|FMT[@SEQ],…", e.g. "64:bf16,448:int8|int4@1". LENs must sum to n_tokens.
 absl::StatusOr<std::vector<SyntheticRange>> ParseRanges(const std::string& text, int64_t n_tokens);
 

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "client/synthetic.h"
@@ -150,11 +151,9 @@ Ran RunOnEngine(Engine& engine, const client::SyntheticLayer& L, const std::stri
   request.shape = {L.spec.n_tokens, L.spec.hidden, L.spec.n_heads, L.spec.head_dim};
   int64_t begin = 0;
   for (const auto& r : L.spec.ranges) {
-    RangeRequest rr = MakeRange(begin, begin + r.tokens, r.seq_id, {});
-    for (v1::Format f : r.allowed) {
-      rr.allowed.push_back(f == v1::FORMAT_BF16 ? PageFormat::kBf16 : f == v1::FORMAT_INT8 ? PageFormat::kInt8 : PageFormat::kInt4);
-    }
-    request.ranges.push_back(rr);
+    std::vector<PageFormat> allowed;
+    for (v1::Format f : r.allowed) allowed.push_back(client::ToPage(f));
+    request.ranges.push_back(MakeRange(begin, begin + r.tokens, r.seq_id, std::move(allowed)));
     begin += r.tokens;
   }
   request.rope.layout = RopeLayout::kSplitHalves;

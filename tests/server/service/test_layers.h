@@ -45,10 +45,7 @@ inline uint64_t LayerPeakBytes(const client::SyntheticLayer& L, int64_t max_chun
   config.shape = {L.spec.n_tokens, L.spec.hidden, L.spec.n_heads, L.spec.head_dim};
   int64_t begin = 0;
   for (const auto& r : L.spec.ranges) {
-    const PageFormat f = r.allowed[0] == v1::FORMAT_BF16   ? PageFormat::kBf16
-                         : r.allowed[0] == v1::FORMAT_INT8 ? PageFormat::kInt8
-                                                           : PageFormat::kInt4;
-    config.ranges.push_back({begin, begin + r.tokens, r.seq_id, f});
+    config.ranges.push_back({begin, begin + r.tokens, r.seq_id, client::ToPage(r.allowed[0])});
     begin += r.tokens;
   }
   if (L.spec.rope) {
