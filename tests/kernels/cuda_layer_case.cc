@@ -22,7 +22,6 @@
 
 #include "kernels/cpu/epilogue.h"
 #include "kernels/cpu/layer.h"
-#include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/layer.h"
 #include "kernels/format.h"
 #include "kernels/rotation.h"
@@ -345,13 +344,6 @@ void RunCase(const Case& c, CaseErrors* errors, bool check_exact) {
   std::vector<float> k_hat, v_hat;
   CheckPagesAgainstTheHost(c, L, layout, gpu.block, &k_hat, &v_hat);
   CheckAttention(c, L, layout, gpu, cpu_out, k_hat, v_hat, errors, check_exact);
-}
-
-bool DeviceRunsWgmma() {
-  DeviceCaps caps;
-  AttentionKernelChoice choice;
-  return CurrentDeviceCaps(&caps).ok() &&
-         ChooseAttentionKernel(caps, 64, PageBytes(PageFormat::kInt4, 64), AttentionTilingChoice::kWgmma, &choice).ok();
 }
 
 }  // namespace kvpack::cuda

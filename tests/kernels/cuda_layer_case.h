@@ -11,7 +11,4 @@ namespace kvpack::cuda {
 // (may be null) receives the errors vs FP64 over the decoded pages and unquantized.
 void RunCase(const Case& c, CaseErrors* errors = nullptr, bool check_exact = true);
 
-// Whether this GPU (and this build) runs the wgmma kernel.
-bool DeviceRunsWgmma();
-
 }  // namespace kvpack::cuda

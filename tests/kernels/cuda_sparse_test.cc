@@ -26,7 +26,6 @@
 #include "kernels/cpu/pack.h"
 #include "kernels/cpu/sparse_attention.h"
 #include "kernels/cpu/sparse_layer.h"
-#include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/layer.h"
 #include "kernels/sparse_plan.h"
 #include "kernels/transform_choice.h"
@@ -77,14 +76,6 @@ void HeadCosines(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b,
     *worst = std::min(*worst, cos);
     *mean += cos / heads;
   }
-}
-
-// Whether this GPU (and build) runs the wgmma kernel, whose routed instance then serves sparse launches.
-bool DeviceRunsWgmma() {
-  DeviceCaps caps;
-  AttentionKernelChoice choice;
-  return CurrentDeviceCaps(&caps).ok() &&
-         ChooseAttentionKernel(caps, 64, PageBytes(PageFormat::kInt4, 64), AttentionTilingChoice::kWgmma, &choice).ok();
 }
 
 const char* KernelName(AttentionTilingChoice tiling) {

@@ -15,11 +15,22 @@
 
 #include "kernels/cpu/epilogue.h"
 #include "kernels/cpu/layer.h"
+#include "kernels/cuda/device_caps.h"
 #include "kernels/cuda/layer.h"
 #include "kernels/format.h"
+#include "kernels/kernel_choice.h"
 #include "kernels/rotation.h"
 
 namespace kvpack::cuda {
+
+// Whether this GPU (and this build) runs the wgmma kernel (whose routed instance also serves sparse
+// launches).
+inline bool DeviceRunsWgmma() {
+  DeviceCaps caps;
+  AttentionKernelChoice choice;
+  return CurrentDeviceCaps(&caps).ok() &&
+         ChooseAttentionKernel(caps, 64, PageBytes(PageFormat::kInt4, 64), AttentionTilingChoice::kWgmma, &choice).ok();
+}
 
 inline constexpr double kCodeMatchFraction = 0.999;
 // A bf16 code changes with any 1-ulp change of its input (e.g. the GEMM's fp32 summation order, which
