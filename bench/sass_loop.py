@@ -8,7 +8,7 @@ cubin built here (no GPU needed), so that a change to the kernel can be weighed 
     python3 bench/sass_loop.py /tmp/k.sass ILi128ELi4ELb1ELb0E   # d = 128, 4 stages, INT8 path, dense
 
 consumer: the smallest backward-branch loop holding the MMAs and MUFU.EX2, less the ranges a forward
-branch skips that hold only the mask code (BSSY) or the O rescale (FMULs of O): what a consumer warp
+branch skips that hold the mask code (BSSY) or the O rescale (mostly in-place FMULs): what a consumer warp
 issues per page on an unmasked page without a new row maximum. producer: the smallest loop holding the
 INT4 V decode (HFMA2) and no MMA, every branch counted (both page formats' decodes). Dynamic counts
 per CTA-page come from Nsight Compute (bench/sass_profile.py).
@@ -45,8 +45,8 @@ def smallest_loop(ins, keep):
     return best
 
 
-def is_o_rescale(text):  # FMUL Rn, Rn, corr on the O accumulators (R24…R87 at d = 128)
-    return re.match(r"FMUL R(2[4-9]|[3-7]\d|8[0-7]), R\1,", text) is not None
+def is_rescale(text):  # FMUL Rn, Rn, corr: O (and the row sums) scaled in place
+    return re.match(r"FMUL (R\d+), \1,", text) is not None
 
 
 def hot_path(loop):
@@ -61,7 +61,7 @@ def hot_path(loop):
         skipped = [x for x in loop if addr < x[0] < target]
         if any("MUFU.EX2" in x[1] or "F2FP" in x[1] for x in skipped):
             continue
-        if any("BSSY" in x[1] for x in skipped) or sum(is_o_rescale(x[1]) for x in skipped) > 0.9 * len(skipped):
+        if any("BSSY" in x[1] for x in skipped) or sum(is_rescale(x[1]) for x in skipped) > 0.8 * len(skipped):
             cold.update(x[0] for x in skipped)
     return [x for x in loop if x[0] not in cold]
 
