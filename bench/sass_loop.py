@@ -33,16 +33,29 @@ def opcode(text):
     return re.sub(r"^@!?U?P\w+\s+", "", text).split(" ")[0]
 
 
+def branch_target(text):
+    m = re.search(r"BRA (0x[0-9a-f]+)", text)
+    return int(m.group(1), 16) if m else None
+
+
 def smallest_loop(ins, keep):
     best = None
     for addr, text in ins:
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if not m or int(m.group(1), 16) >= addr:
+        target = branch_target(text)
+        if target is None or target >= addr:
             continue
-        body = [x for x in ins if int(m.group(1), 16) <= x[0] <= addr]
+        body = [x for x in ins if target <= x[0] <= addr]
         if keep(body) and (best is None or len(body) < len(best)):
             best = body
     return best
+
+
+def consumer_loop(ins):  # holds the MMAs and the exponentials
+    return smallest_loop(ins, lambda b: any("GMMA" in x[1] for x in b) and any("MUFU.EX2" in x[1] for x in b))
+
+
+def producer_loop(ins):  # holds the INT4 V decode and no MMA
+    return smallest_loop(ins, lambda b: any("HFMA2" in x[1] for x in b) and not any("GMMA" in x[1] for x in b))
 
 
 def is_rescale(text):  # FMUL Rn, Rn, corr: O (and the row sums) scaled in place
@@ -52,11 +65,8 @@ def is_rescale(text):  # FMUL Rn, Rn, corr: O (and the row sums) scaled in place
 def hot_path(loop):
     cold = set()
     for addr, text in loop:
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if not m or not text.startswith("@"):
-            continue
-        target = int(m.group(1), 16)
-        if target <= addr or target > loop[-1][0]:
+        target = branch_target(text)
+        if target is None or not text.startswith("@") or target <= addr or target > loop[-1][0]:
             continue
         skipped = [x for x in loop if addr < x[0] < target]
         if any("MUFU.EX2" in x[1] or "F2FP" in x[1] for x in skipped):
@@ -75,8 +85,7 @@ def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
     ins = instructions(open(sys.argv[1]).read(), sys.argv[2])
-    consumer = smallest_loop(ins, lambda b: any("GMMA" in x[1] for x in b) and any("MUFU.EX2" in x[1] for x in b))
-    producer = smallest_loop(ins, lambda b: any("HFMA2" in x[1] for x in b) and not any("GMMA" in x[1] for x in b))
+    consumer, producer = consumer_loop(ins), producer_loop(ins)
     if consumer:
         summary("consumer loop, hot path", hot_path(consumer))
     if producer:

@@ -35,9 +35,7 @@ def consumer_and_producer():
         "EXIT",
     ]
     ins = sass_loop.instructions(listing(lines), "ILi128ELi4ELb1ELb0E")
-    consumer = sass_loop.smallest_loop(ins, lambda b: any("GMMA" in x[1] for x in b) and any("MUFU.EX2" in x[1] for x in b))
-    producer = sass_loop.smallest_loop(ins, lambda b: any("HFMA2" in x[1] for x in b) and not any("GMMA" in x[1] for x in b))
-    return consumer, producer
+    return sass_loop.consumer_loop(ins), sass_loop.producer_loop(ins)
 
 
 def test_finds_the_named_kernel_and_its_two_loops():
