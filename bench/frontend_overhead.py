@@ -20,8 +20,15 @@ regions on a machine without a GPU), and times, per call, median over --calls:
              call adds to a bare gRPC round trip after the same idle time: header, parsing, the
              reactor, the executor hand-off, the result.
 
-once over the streamed AttentionLayer and once over the unary AttentionLayerRegions (where the
-daemon has it). The shapes are small so that the attention is negligible.
+once over the streamed AttentionLayer, once over the unary AttentionLayerRegions and once through a
+lane (kvpack.lane: the same call through shared memory, both sides spinning for a bounded time).
+The shapes are small so that the attention is negligible.
+
+--gap_ms=G,G,... then repeats the unary call and the lane call with the client asleep G ms before
+each call (its timings exclude the gap): on a GPU both processes sleep through the attention, while
+on this CPU backend the attention keeps the cores busy, so the gap is what shows the wake-ups. A
+gap under the daemon's --lane_spin_us finds the lane thread spinning; a longer one finds it asleep
+on its futex.
 
 --timeline (torch with CUDA, --backend=cuda) instead measures what a user of the same GPU sees: DiT
 blocks in a loop with the attention through kvpackd over CUDA IPC, wall time per block against the
@@ -52,6 +59,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client" / "python"))
 
 import kvpack  # noqa: E402
+from kvpack import lane as kvpack_lane  # noqa: E402
 from kvpack import testing  # noqa: E402
 from kvpack.types import Range, RegionSlice  # noqa: E402
 
@@ -60,7 +68,7 @@ def median_ms(values):
     return 1e3 * statistics.median(values)
 
 
-def run(client, region_id, args, method):
+def run(client, region_id, args, method, gap_s=0.0):
     hd = args.heads * args.head_dim
     nbytes = args.tokens * hd * 2
     slices = [RegionSlice(region_id, i * nbytes, nbytes) for i in range(4)]
@@ -68,6 +76,8 @@ def run(client, region_id, args, method):
     rows = {k: [] for k in ("header", "rpc", "daemon", "plan", "queue", "project", "attend",
                             "upload", "wall")}
     for i in range(args.warmup + args.calls):
+        if gap_s:
+            time.sleep(gap_s)
         t0 = time.perf_counter()
         # The client's own steps (private: this bench times them one by one).
         header, _, _ = client._projected_header(
@@ -78,6 +88,8 @@ def run(client, region_id, args, method):
         t1 = time.perf_counter()
         if method == "AttentionLayer":
             result = client._streamed(method, header, [], args.tokens, None).result
+        elif method == "AttentionLayerLane":
+            result = client.lane.call("AttentionLayer", header, client.timeout)
         else:
             result = client._unary(method, header, None)
         t2 = time.perf_counter()
@@ -162,6 +174,8 @@ def main():
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--idle_calls", type=int, default=30,
                     help="KeepAlive calls for the idle floor (each after the attention's time)")
+    ap.add_argument("--gap_ms", default="",
+                    help="comma-separated idle gaps before each unary and lane call (see above)")
     ap.add_argument("--cpu_latency_us", type=int, default=-1,
                     help="also run the unary call holding this PM QoS CPU latency request (root)")
     ap.add_argument("--timeline", action="store_true",
@@ -186,6 +200,7 @@ def main():
         with testing.LocalDaemon(extra_args=(f"--backend={args.backend}",)) as d, \
                 kvpack.Client(d.target, timeout=60) as c:
             region = c.register_shm("/" + shm.name, shm.size)
+            c.lane = kvpack_lane.Lane(c)
             floor = []
             for _ in range(args.warmup + args.calls):
                 t0 = time.perf_counter()
@@ -196,7 +211,7 @@ def main():
                   f"backend {args.backend}, {args.calls} calls, medians in ms")
             print(f"  gRPC unary floor (KeepAlive): {floor_ms:.3f}")
             outputs = {}
-            for method in ("AttentionLayer", "AttentionLayerRegions"):
+            for method in ("AttentionLayer", "AttentionLayerRegions", "AttentionLayerLane"):
                 m = run(c, region, args, method)
                 outputs[method] = bytes(shm.buf[3 * nbytes:4 * nbytes])
                 print(f"  {method:22s} wall {m['wall']:.3f} = header {m['header']:.3f}"
@@ -221,8 +236,14 @@ def main():
                               f" request: transport {m['transport']:.3f}, outside the daemon"
                               f" {m['outside']:.3f}; gRPC unary after {m['daemon']:.1f} ms idle"
                               f" {idle:.3f}")
-            same = outputs["AttentionLayer"] == outputs["AttentionLayerRegions"]
-            print(f"  outputs of both methods bit-identical: {same}")
+            for gap in [float(g) for g in args.gap_ms.split(",") if g]:
+                for method in ("AttentionLayerRegions", "AttentionLayerLane"):
+                    m = run(c, region, args, method, gap / 1e3)
+                    print(f"  {gap:5.1f} ms gap before each call: {method:22s} transport"
+                          f" {m['transport']:.3f}, outside the daemon {m['outside']:.3f}"
+                          f" (header {m['header']:.3f}; daemon {m['daemon']:.3f})")
+            same = len(set(outputs.values())) == 1
+            print(f"  outputs of the three methods bit-identical: {same}")
             c.unregister_region(region)
             return 0 if same else 1
     finally:

@@ -36,6 +36,12 @@ const char* DaemonUsage() {
   --max_regions_per_tenant=N   registered regions of one tenant (default 1024)
   --max_handles=N          weights and K/V handles, all tenants (default 65536)
   --max_handles_per_tenant=N   weights and K/V handles of one tenant (default 4096)
+  --max_lanes=N            lanes (OpenLane: same-host calls through shared memory), all tenants; each is a
+                           thread (default 8; 0: no lanes)
+  --max_lanes_per_tenant=N lanes of one tenant (default 2)
+  --lane_spin_us=N         how long a lane thread spins for the next call after an answer before it sleeps
+                           (a CPU core busy meanwhile; the default and the most a client may ask for;
+                           default 20000, at most 1000000; 0: sleep at once)
   --layer_nice=N           nice value (0-19) of the threads that run layers, so RPCs such as Status
                            are not starved by CPU layer work (default 10)
   --drain_seconds=S        on SIGTERM/SIGINT, time in-flight calls get to finish (default 30)
@@ -61,7 +67,8 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
                                          "max_chunk_tokens", "lease_seconds", "tenant_quota", "max_inline_bytes",
                                          "drain_seconds", "max_inline_bytes_in_flight", "max_chunks_per_call",
                                          "max_regions", "max_regions_per_tenant", "layer_nice",
-                                         "max_handles", "max_handles_per_tenant", "policy_file", "fault_every"};
+                                         "max_handles", "max_handles_per_tenant", "policy_file", "fault_every",
+                                         "max_lanes", "max_lanes_per_tenant", "lane_spin_us"};
     if (std::find(std::begin(kKnown), std::end(kKnown), bare) == std::end(kKnown)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", bare, " (see --help)"));
     }
@@ -120,6 +127,12 @@ absl::StatusOr<DaemonOptions> ParseDaemonOptions(int argc, char** argv) {
     else if (name == "layer_nice") s = to_int(&o.layer_nice, 0);
     else if (name == "max_handles") s = to_int(&o.max_handles, 1);
     else if (name == "max_handles_per_tenant") s = to_int(&o.max_handles_per_tenant, 1);
+    else if (name == "max_lanes") s = to_int(&o.max_lanes, 0);
+    else if (name == "max_lanes_per_tenant") s = to_int(&o.max_lanes_per_tenant, 1);
+    else if (name == "lane_spin_us") {
+      s = to_int(&o.lane_spin_us, 0);
+      if (s.ok() && o.lane_spin_us > 1000000) s = bad("at most 1000000 (1 s)");
+    }
     else return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name, " (see --help)"));
     if (!s.ok()) return s;
   }

@@ -31,6 +31,9 @@ struct DaemonOptions {
   int max_regions_per_tenant = 1024;
   int max_handles = 65536;
   int max_handles_per_tenant = 4096;
+  int max_lanes = 8;               // server/service/lane.h
+  int max_lanes_per_tenant = 2;
+  int lane_spin_us = 20000;
   int layer_nice = 10;             // nice value of the executor threads (0..19)
   double drain_seconds = 30;       // SIGTERM: how long in-flight calls may take to finish
   std::string fault_every;         // test hook: "SITE:N,..." fails every N-th call at SITE (fault_injector.h)

@@ -40,11 +40,14 @@ absl::Status AllocateHost(uint64_t bytes, const char* field, std::unique_ptr<uin
 }  // namespace
 
 const char* LayerMethodName(LayerMode mode, LayerTransport transport) {
-  const bool unary = transport == LayerTransport::kRegionsOnly;
+  constexpr const char* kNames[3][3] = {{"AttentionLayer", "AttentionLayerRegions", "AttentionLayerLane"},
+                                         {"Project", "ProjectRegions", "ProjectLane"},
+                                         {"Attend", "AttendRegions", "AttendLane"}};
+  const int t = static_cast<int>(transport);
   switch (mode) {
-    case LayerMode::kFull: return unary ? "AttentionLayerRegions" : "AttentionLayer";
-    case LayerMode::kProject: return unary ? "ProjectRegions" : "Project";
-    case LayerMode::kAttend: return unary ? "AttendRegions" : "Attend";
+    case LayerMode::kFull: return kNames[0][t];
+    case LayerMode::kProject: return kNames[1][t];
+    case LayerMode::kAttend: return kNames[2][t];
   }
   return "AttentionLayer";
 }
@@ -53,11 +56,27 @@ LayerCallState::LayerCallState(KvpackService* service, grpc::CallbackServerConte
                                LayerTransport transport)
     : service_(service),
       context_(context),
+      deadline_(context->deadline() == std::chrono::system_clock::time_point::max()
+                    ? absl::InfiniteFuture()
+                    : absl::FromChrono(context->deadline())),
       mode_(mode),
       transport_(transport),
       method_(LayerMethodName(mode, transport)) {}
 
+LayerCallState::LayerCallState(KvpackService* service, std::string tenant, absl::Time deadline, LayerMode mode)
+    : service_(service),
+      context_(nullptr),
+      deadline_(deadline),
+      mode_(mode),
+      transport_(LayerTransport::kLane),
+      method_(LayerMethodName(mode, LayerTransport::kLane)),
+      tenant_(std::move(tenant)) {}
+
 absl::Status LayerCallState::Admit() {
+  if (context_ == nullptr) {  // a lane: its tenant was admitted at OpenLane
+    if (service_->draining()) return absl::UnavailableError("kvpackd is draining before it exits");
+    return absl::OkStatus();
+  }
   absl::StatusOr<std::string> tenant = service_->Admit(*context_);
   if (!tenant.ok()) return tenant.status();
   tenant_ = *std::move(tenant);
@@ -74,9 +93,7 @@ absl::Status LayerCallState::OnHeader(const v1::LayerHeader& header) {
   job->tenant = tenant_;
   job->priority = header.priority();
   job->keep_kv = header.keep_kv() || mode_ == LayerMode::kProject;
-  if (context_->deadline() != std::chrono::system_clock::time_point::max()) {
-    job->deadline = absl::FromChrono(context_->deadline());
-  }
+  if (deadline_ != absl::InfiniteFuture()) job->deadline = deadline_;
   if (absl::Status s = BindWaitEvent(header, job.get()); !s.ok()) return s;
 
   // Pre-projected q, k, v take the place of x and the weights (AttentionLayer only).
@@ -126,7 +143,7 @@ absl::Status LayerCallState::OnHeader(const v1::LayerHeader& header) {
     return absl::InvalidArgumentError(absl::StrCat("header.kv_handle: only Attend takes a K/V handle, not ", method_));
   }
 
-  if (transport_ == LayerTransport::kRegionsOnly && mode_ != LayerMode::kProject &&
+  if (transport_ != LayerTransport::kStream && mode_ != LayerMode::kProject &&
       header.output().mode() == v1::OUTPUT_INLINE) {
     return absl::InvalidArgumentError(absl::StrCat("header.output.mode: ", method_,
                                                    " writes into a region (OUTPUT_REGION, or OUTPUT_IN_PLACE over x "
@@ -363,7 +380,7 @@ absl::Status LayerCallState::Bind(const v1::TensorRef& ref, Input* input, LayerJ
     case v1::TensorRef::LOCATION_NOT_SET:
       return required ? absl::InvalidArgumentError(absl::StrCat(input->field, ": required")) : absl::OkStatus();
     case v1::TensorRef::kInlineBytes:
-      if (transport_ == LayerTransport::kRegionsOnly) {
+      if (transport_ != LayerTransport::kStream) {
         return absl::InvalidArgumentError(absl::StrCat(input->field, ".inline_bytes: ", method_,
                                                        " takes tensors in regions only; send inline tensors over the "
                                                        "streamed call"));
@@ -433,7 +450,7 @@ absl::Status LayerCallState::OnChunk(const v1::TensorChunk& chunk) {
 }
 
 absl::Status LayerCallState::Submit(std::function<void(absl::Status)> done) {
-  if (context_->IsCancelled()) return absl::CancelledError("the client cancelled the call");
+  if (context_ != nullptr && context_->IsCancelled()) return absl::CancelledError("the client cancelled the call");
   if (!have_header_) {
     short_upload_ = true;
     return absl::InvalidArgumentError("header: the stream ended before a header");
@@ -524,9 +541,8 @@ bool LayerCallState::FinishOnce(absl::Status status, grpc::Status* out) {
   // A client whose deadline passes cancels the call (RST_STREAM) a little before the daemon's copy
   // of the deadline (computed from grpc-timeout on arrival) passes; name that cause.
   constexpr absl::Duration kDeadlineSlack = absl::Milliseconds(100);
-  if (status.code() == absl::StatusCode::kCancelled &&
-      context_->deadline() != std::chrono::system_clock::time_point::max() &&
-      absl::Now() >= absl::FromChrono(context_->deadline()) - kDeadlineSlack) {
+  if (status.code() == absl::StatusCode::kCancelled && deadline_ != absl::InfiniteFuture() &&
+      absl::Now() >= deadline_ - kDeadlineSlack) {
     status = absl::DeadlineExceededError(status.message());
   }
   if (short_upload_ && !status.ok()) {
@@ -539,7 +555,7 @@ bool LayerCallState::FinishOnce(absl::Status status, grpc::Status* out) {
 }
 
 void LayerCallState::OnDone() {
-  if (uncounted_) service_->RecordShortUpload(method_, *uncounted_, *context_);
+  if (uncounted_ && context_ != nullptr) service_->RecordShortUpload(method_, *uncounted_, *context_);
 }
 
 }  // namespace kvpack::server

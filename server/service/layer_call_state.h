@@ -5,6 +5,7 @@
 //
 //   layer_call.cc          stream: header, inline chunks, half-close → result, output chunks
 //   layer_regions_call.cc  unary:  LayerHeader → LayerResult (every tensor in a region)
+//   lane.cc                the unary forms through a shared-memory lane (kvpack/v1/lane.h)
 //
 // so both forms share every check, limit, plan, scheduling path, metric and cancellation.
 //
@@ -36,9 +37,9 @@ namespace kvpack::server {
 
 class KvpackService;
 
-// Which form of the call: the stream takes inline tensors; the unary form takes regions only
-// (INVALID_ARGUMENT naming the field of an inline tensor or an inline output).
-enum class LayerTransport { kStream, kRegionsOnly };
+// Which form of the call: the stream takes inline tensors; the unary form and its lane twin take
+// regions only (INVALID_ARGUMENT naming the field of an inline tensor or an inline output).
+enum class LayerTransport { kStream, kRegionsOnly, kLane };
 
 // The method name of `mode` in `transport` ("AttentionLayer", "AttendRegions", ...): the metrics'
 // method label and the name in error messages.
@@ -48,6 +49,9 @@ class LayerCallState {
  public:
   LayerCallState(KvpackService* service, grpc::CallbackServerContext* context, LayerMode mode,
                  LayerTransport transport);
+  // A call that came over a lane: `tenant` was admitted when the lane opened; `deadline` is the
+  // request's (absl::InfiniteFuture() for none).
+  LayerCallState(KvpackService* service, std::string tenant, absl::Time deadline, LayerMode mode);
 
   const char* method() const { return method_; }
 
@@ -74,7 +78,7 @@ class LayerCallState {
   uint64_t output_bytes() const;
   double upload_seconds() const { return upload_seconds_; }
 
-  // The call's gRPC status: counted in the metrics, CANCELLED named DEADLINE_EXCEEDED when the
+  // The call's status: counted in the metrics, CANCELLED named DEADLINE_EXCEEDED when the
   // deadline is what ended it. Returns false (and does nothing) when the call already finished:
   // exactly one Finish per call.
   bool FinishOnce(absl::Status status, grpc::Status* out);
@@ -104,7 +108,8 @@ class LayerCallState {
   std::array<const Input*, 5> Inputs() const { return {&x_, &positions_, &qkv_[0], &qkv_[1], &qkv_[2]}; }
 
   KvpackService* const service_;
-  grpc::CallbackServerContext* const context_;
+  grpc::CallbackServerContext* const context_;  // null for a lane call
+  const absl::Time deadline_;
   const LayerMode mode_;
   const LayerTransport transport_;
   const char* const method_;

@@ -193,7 +193,11 @@ int Main(int argc, char** argv) {
   ServiceLimits limits;
   limits.max_inline_bytes = o.max_inline.bytes;
   limits.max_chunks_per_call = o.max_chunks_per_call;
-  KvpackService service(&engine, std::move(auth), limits);
+  LaneLimits lane_limits;
+  lane_limits.max_lanes = o.max_lanes;
+  lane_limits.max_lanes_per_tenant = o.max_lanes_per_tenant;
+  lane_limits.max_spin_us = static_cast<uint32_t>(o.lane_spin_us);
+  KvpackService service(&engine, std::move(auth), limits, lane_limits);
 
   int metrics_port = 0;
   if (o.metrics_address != "off") {
@@ -259,6 +263,7 @@ int Main(int argc, char** argv) {
   engine.RejectQueued();
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(o.drain_seconds * 1000)));
+  service.CloseLanes();  // the lanes saw the drain; each answers its call in flight, then ends
   engine.Drain();
   {
     std::lock_guard<std::mutex> lock(mu);

@@ -40,8 +40,8 @@ absl::Status TooManyChunks(const ServiceLimits& limits) {
                                                    " chunks in one call (--max_chunks_per_call); send larger chunks"));
 }
 
-KvpackService::KvpackService(Engine* engine, Auth auth, ServiceLimits limits)
-    : engine_(engine), auth_(std::move(auth)), limits_(limits) {}
+KvpackService::KvpackService(Engine* engine, Auth auth, ServiceLimits limits, LaneLimits lane_limits)
+    : engine_(engine), auth_(std::move(auth)), limits_(limits), lanes_(this, lane_limits) {}
 
 absl::StatusOr<std::string> KvpackService::Admit(const grpc::CallbackServerContext& context) const {
   if (draining_) return absl::UnavailableError("kvpackd is draining before it exits");
@@ -212,6 +212,7 @@ grpc::ServerUnaryReactor* KvpackService::Status(grpc::CallbackServerContext* con
     response->set_inline_bytes_sent(inline_sent_.load());
     response->set_cuda_wait_event(e.backend().TakesIpcEvents());
     response->set_cuda_done_event(e.backend().TakesIpcEvents());
+    response->set_lanes(lanes_.Count());
     const KernelInfo kernel = e.backend().Kernel();
     response->set_compute_capability(kernel.compute_capability);
     response->set_attention_kernel(kernel.attention_kernel);
@@ -282,6 +283,7 @@ grpc::ServerUnaryReactor* KvpackService::UnregisterRegion(grpc::CallbackServerCo
   absl::StatusOr<std::string> tenant = Admit(*context);
   if (!tenant.ok()) return FinishUnary(context, kMethod, tenant.status());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  lanes_.CloseRegion(*tenant, request->region_id());  // a lane over it lets go after its call in flight
   // Finishes when the last request using the region lets go (maybe at once).
   absl::Status s = engine_->registry().UnregisterRegion(
       *tenant, request->region_id(), [this, reactor] { reactor->Finish(Finished("UnregisterRegion", absl::OkStatus())); });
@@ -312,6 +314,26 @@ grpc::ServerUnaryReactor* KvpackService::RegionStatus(grpc::CallbackServerContex
                          absl::NotFoundError(absl::StrCat("region_id = \"", Bounded(request->region_id()), "\": no such region for this tenant")));
     }
     return FinishUnary(context, kMethod, absl::OkStatus());
+  });
+}
+
+grpc::ServerUnaryReactor* KvpackService::OpenLane(grpc::CallbackServerContext* context,
+                                                  const v1::OpenLaneRequest* request, v1::OpenLaneResponse* response) {
+  return Guarded(context, "OpenLane", [&]() -> grpc::ServerUnaryReactor* {
+    absl::StatusOr<std::string> tenant = Admit(*context);
+    if (!tenant.ok()) return FinishUnary(context, "OpenLane", tenant.status());
+    absl::StatusOr<v1::OpenLaneResponse> opened = lanes_.Open(*tenant, *request);
+    if (opened.ok()) *response = *std::move(opened);
+    return FinishUnary(context, "OpenLane", opened.status());
+  });
+}
+
+grpc::ServerUnaryReactor* KvpackService::CloseLane(grpc::CallbackServerContext* context,
+                                                   const v1::CloseLaneRequest* request, v1::CloseLaneResponse*) {
+  return Guarded(context, "CloseLane", [&]() -> grpc::ServerUnaryReactor* {
+    absl::StatusOr<std::string> tenant = Admit(*context);
+    if (!tenant.ok()) return FinishUnary(context, "CloseLane", tenant.status());
+    return FinishUnary(context, "CloseLane", lanes_.Close(*tenant, request->lane_id()));
   });
 }
 

@@ -12,6 +12,7 @@
 #include "kvpack/v1/kvpack.grpc.pb.h"
 #include "server/runtime/engine.h"
 #include "server/service/auth.h"
+#include "server/service/lane.h"
 
 namespace kvpack::server {
 
@@ -38,7 +39,7 @@ absl::Status PlanCall(Engine& engine, const std::string& tenant, const ServiceLi
 
 class KvpackService final : public v1::Kvpack::CallbackService {
  public:
-  KvpackService(Engine* engine, Auth auth, ServiceLimits limits);
+  KvpackService(Engine* engine, Auth auth, ServiceLimits limits, LaneLimits lane_limits = {});
 
   // Flips every later call to UNAVAILABLE (drain) and health to NOT_SERVING.
   void StartDraining() { draining_ = true; }
@@ -46,6 +47,8 @@ class KvpackService final : public v1::Kvpack::CallbackService {
   Engine& engine() { return *engine_; }
   const Auth& auth() const { return auth_; }
   const ServiceLimits& limits() const { return limits_; }
+  // Closes every lane and waits for their threads (after draining, before the engine drains).
+  void CloseLanes() { lanes_.CloseAll(); }
 
   // Inline tensor bytes received (uploads) and sent (layer outputs), all tenants, since start.
   void CountInline(uint64_t received, uint64_t sent) {
@@ -94,6 +97,10 @@ class KvpackService final : public v1::Kvpack::CallbackService {
                                              v1::UnregisterRegionResponse* response) override;
   grpc::ServerUnaryReactor* RegionStatus(grpc::CallbackServerContext* context, const v1::RegionStatusRequest* request,
                                          v1::RegionStatusResponse* response) override;
+  grpc::ServerUnaryReactor* OpenLane(grpc::CallbackServerContext* context, const v1::OpenLaneRequest* request,
+                                     v1::OpenLaneResponse* response) override;
+  grpc::ServerUnaryReactor* CloseLane(grpc::CallbackServerContext* context, const v1::CloseLaneRequest* request,
+                                      v1::CloseLaneResponse* response) override;
   grpc::ServerUnaryReactor* KeepAlive(grpc::CallbackServerContext* context, const v1::KeepAliveRequest* request,
                                       v1::KeepAliveResponse* response) override;
 
@@ -117,6 +124,7 @@ class KvpackService final : public v1::Kvpack::CallbackService {
   std::atomic<bool> draining_{false};
   std::atomic<uint64_t> inline_received_{0};
   std::atomic<uint64_t> inline_sent_{0};
+  LaneTable lanes_;  // last: its threads use the members above until they are joined
 };
 
 // Reactors of the streaming calls (layer_call.cc, weights_call.cc) and of the unary layer calls

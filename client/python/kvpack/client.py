@@ -27,6 +27,7 @@ from kvpack.types import LayerOptions, LayerOutput, RegionSlice, Weights
 _gen.ensure()
 from kvpack.v1 import kvpack_pb2 as pb  # noqa: E402
 from kvpack.v1 import kvpack_pb2_grpc as pb_grpc  # noqa: E402
+from kvpack import lane as kvpack_lane  # noqa: E402
 
 DEFAULT_TARGET = "unix:///run/kvpackd/kvpackd.sock"
 DEFAULT_TIMEOUT_S = 120.0   # a 152k-token layer takes seconds; a queue of them longer
@@ -51,7 +52,7 @@ class Client:
 
     def __init__(self, target=DEFAULT_TARGET, *, token=None, tenant=None,
                  timeout=DEFAULT_TIMEOUT_S, credentials=None, channel_options=(),
-                 chunk_bytes=tensors.CHUNK_BYTES):
+                 chunk_bytes=tensors.CHUNK_BYTES, lane=False):
         opts = [("grpc.max_receive_message_length", 8 << 20)] + list(channel_options)
         self._channel = (grpc.secure_channel(target, credentials, options=opts) if credentials
                          else grpc.insecure_channel(target, options=opts))
@@ -65,6 +66,11 @@ class Client:
         self.unary_layers = True
         self._templates = {}        # headers of region-only projected calls, by call shape
         self.last_layer_method = None   # the RPC of the last layer call ("AttentionLayerRegions")
+        # lane=True: region-only layer calls go through a lane (kvpack.lane) when the daemon
+        # opens one (same host); False after it could not (another host, lanes off or full).
+        self.lane_wanted = lane
+        self.lane = None
+        self.lane_error = None          # why no lane could be opened
         self._metadata = []
         if token:
             self._metadata.append(("authorization", f"Bearer {token}"))
@@ -75,7 +81,8 @@ class Client:
     def from_env(cls, **kwargs):
         """A client configured by the environment, as a pod or a service unit sets it:
         KVPACK_TARGET (default the local socket), KVPACK_TOKEN or KVPACK_TOKEN_FILE (the first
-        word of its first line, the daemon's "TOKEN [TENANT]" format), KVPACK_TENANT.
+        word of its first line, the daemon's "TOKEN [TENANT]" format), KVPACK_TENANT,
+        KVPACK_LANE=1 (layer calls through a lane when the daemon is on this host).
         Keyword arguments override."""
         token = os.environ.get("KVPACK_TOKEN")
         if not token and os.environ.get("KVPACK_TOKEN_FILE"):
@@ -83,13 +90,17 @@ class Client:
                 words = f.readline().split()
             token = words[0] if words else None
         settings = dict(target=os.environ.get("KVPACK_TARGET", DEFAULT_TARGET), token=token,
-                        tenant=os.environ.get("KVPACK_TENANT"))
+                        tenant=os.environ.get("KVPACK_TENANT"),
+                        lane=os.environ.get("KVPACK_LANE", "") not in ("", "0"))
         settings.update(kwargs)
         return cls(settings.pop("target"), **settings)
 
     # ── plumbing ────────────────────────────────────────────────────────────────────────────
 
     def close(self):
+        if self.lane is not None:
+            self.lane.close(timeout=5.0)
+            self.lane = None
         self._channel.close()
 
     def __enter__(self):
@@ -240,6 +251,10 @@ class Client:
         self._set_output(method, header, output)
         if not inline and self.unary_layers and \
                 (method == "Project" or header.output.mode != pb.OUTPUT_INLINE):
+            result = self._lane_call(method, header, timeout)
+            if result is not None:
+                self.last_layer_method = method + "Lane"
+                return LayerOutput(None, result)
             try:
                 result = self._unary(method + "Regions", header, timeout)
                 self.last_layer_method = method + "Regions"
@@ -252,6 +267,26 @@ class Client:
                 self.unary_layers = False   # a daemon from before the unary calls: stream
         self.last_layer_method = method
         return self._streamed(method, header, inline, n_tokens, timeout)
+
+    def _lane_call(self, method, header, timeout):
+        """The call through the lane (opened on first use); None when there is none or the
+        header does not fit it, so the caller sends it over gRPC."""
+        for _ in range(2):          # a lane the daemon closed (idle, drained) is opened again once
+            if self.lane is None or self.lane.closed:
+                if not self.lane_wanted:
+                    return None
+                try:
+                    self.lane = kvpack_lane.Lane(self, timeout=self._deadline(timeout))
+                except KvpackError as e:
+                    # UNIMPLEMENTED (an older daemon), NOT_FOUND (the object is not on the
+                    # daemon's host), RESOURCE_EXHAUSTED (lanes off or all taken): use gRPC.
+                    self.lane_wanted, self.lane_error, self.lane = False, e, None
+                    return None
+            try:
+                return self.lane.call(method, header, self._deadline(timeout))
+            except kvpack_lane.LaneClosed:
+                self.lane.close(timeout=5.0)
+        return None
 
     @staticmethod
     def _set_output(method, header, output):
