@@ -89,9 +89,9 @@ class Lane:
         self._shm = shared_memory.SharedMemory(create=True, size=AREAS_AT + 2 * area_bytes)
         self._words = (ctypes.c_uint32 * (AREAS_AT // 4)).from_buffer(self._shm.buf)
         self._base = ctypes.addressof(self._words)
-        w = self._words
-        w[_MAGIC // 4], w[_VERSION // 4] = MAGIC, VERSION
-        w[_REQUEST_AREA // 4] = w[_ANSWER_AREA // 4] = area_bytes
+        for at, value in ((_MAGIC, MAGIC), (_VERSION, VERSION), (_REQUEST_AREA, area_bytes),
+                          (_ANSWER_AREA, area_bytes)):
+            self._words[at // 4] = value
         self.closed = False
         try:
             self.region_id = client.register_shm("/" + self._shm.name, self._shm.size, timeout)

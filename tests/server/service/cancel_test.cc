@@ -11,14 +11,6 @@
 namespace kvpack::testing {
 namespace {
 
-// A layer of 3000 tokens in chunks of 256: ~0.5 s on one CPU thread, long enough to be caught mid-way.
-client::SyntheticSpec LongSpec() {
-  client::SyntheticSpec s = SmallSpec(31);
-  s.n_tokens = 3000;
-  s.ranges = {{3000, 0, {v1::FORMAT_INT4}}};
-  return s;
-}
-
 class CancelTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -27,6 +27,15 @@ inline client::SyntheticSpec SmallSpec(uint64_t seed = 7) {
   return s;
 }
 
+// A layer of 3000 tokens in chunks of 256 (--max_chunk_tokens=256): ~0.5 s on one CPU thread, long
+// enough to be caught mid-way (cancel_test.cc, layer_regions_call_test.cc, lane_test.cc).
+inline client::SyntheticSpec LongSpec() {
+  client::SyntheticSpec s = SmallSpec(31);
+  s.n_tokens = 3000;
+  s.ranges = {{3000, 0, {v1::FORMAT_INT4}}};
+  return s;
+}
+
 using client::WeightsOf;
 
 inline client::LayerData DataOf(const client::SyntheticLayer& L, std::vector<uint16_t>* out) {
