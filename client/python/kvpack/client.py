@@ -271,10 +271,10 @@ class Client:
     def _lane_call(self, method, header, timeout):
         """The call through the lane (opened on first use); None when there is none or the
         header does not fit it, so the caller sends it over gRPC."""
+        if not self.lane_wanted:
+            return None
         for _ in range(2):          # a lane the daemon closed (idle, drained) is opened again once
             if self.lane is None or self.lane.closed:
-                if not self.lane_wanted:
-                    return None
                 try:
                     self.lane = kvpack_lane.Lane(self, timeout=self._deadline(timeout))
                 except KvpackError as e:

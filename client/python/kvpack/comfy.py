@@ -233,7 +233,7 @@ class KvpackAttentionNode:
         from kvpack.client import Client
         from kvpack.torch import ProjectedAttention
 
-        # KVPACK_TOKEN / KVPACK_TOKEN_FILE / KVPACK_TENANT / KVPACK_SPARSE / KVPACK_TEXT_TOKENS
+        # KVPACK_TOKEN / KVPACK_TOKEN_FILE / KVPACK_TENANT / KVPACK_LANE / KVPACK_SPARSE / KVPACK_TEXT_TOKENS
         # from ComfyUI's environment apply unless the node sets them.
         overrides = {"target": target} if target else {}
         if token:

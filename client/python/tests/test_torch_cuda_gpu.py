@@ -153,6 +153,44 @@ def test_unary_call_against_the_stream(cuda_client):
     assert same, "the unary call's output differs from the stream's"
 
 
+def test_lane_against_the_unary_call(cuda_client):
+    """The same steady-state calls through a lane (kvpack.lane: shared memory, both sides
+    spinning for a bounded time) and over the unary AttentionLayerRegions: bit-identical
+    outputs, and the time outside the daemon of each (issue 17: gRPC's wake-ups after the
+    attention's idle time)."""
+    n = int(os.environ.get("KVPACK_SEGMENTS_TOKENS", "32760"))
+    calls = int(os.environ.get("KVPACK_SEGMENTS_CALLS", "12"))
+    attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
+    q, k, v = split(fused_qkv(1, n, seed=51))
+    figures, outputs = {}, {}
+    for lane in (True, False, True, False):       # interleaved: drift hits both alike
+        cuda_client.lane_wanted = lane
+        outside, wall, daemon_s = [], [], []
+        for _ in range(calls):
+            out = attend(q, k, v)
+            torch.cuda.synchronize()
+            outside.append(attend.last_outside_s)
+            wall.append(attend.last_wall_s)
+            daemon_s.append(attend.last_result.seconds.total)
+        method = cuda_client.last_layer_method
+        assert method == ("AttentionLayerLane" if lane else "AttentionLayerRegions"), \
+            cuda_client.lane_error
+        outputs.setdefault(method, out.cpu())
+        figures.setdefault(method, ([], [], []))
+        for acc, values in zip(figures[method], (outside, wall, daemon_s)):
+            acc.extend(values[WARMUP_CALLS:])
+    cuda_client.lane_wanted = False
+    same = torch.equal(outputs["AttentionLayerLane"], outputs["AttentionLayerRegions"])
+    for method, (outside, wall, daemon_s) in figures.items():
+        print(f"\nFIGURE lane method={method} tokens={n} heads={H}x{D} outside_ms median="
+              f"{1e3 * statistics.median(outside):.3f} max={1e3 * max(outside):.3f} daemon_ms "
+              f"median={1e3 * statistics.median(daemon_s):.3f} wall/daemon="
+              f"{statistics.median(wall) / statistics.median(daemon_s):.4f} "
+              f"outputs_bit_identical={same}")
+    attend.regions.forget_all()
+    assert same, "the lane call's output differs from the unary call's"
+
+
 def test_freed_and_reallocated_tensors_are_never_read_stale(cuda_client):
     before = cuda_client.status().tenant.regions
     attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
