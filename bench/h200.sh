@@ -221,7 +221,7 @@ run_daemon() {
     # The same issue-17 figures over a unix socket, the transport docs/deploy.md recommends on the
     # caller's host (kvpack.testing.LocalDaemon with KVPACK_TEST_UNIX_SOCKET=1), labelled uds.
     KVPACK_TEST_UNIX_SOCKET=1 PYTHONPATH=/tmp/site:$ROOT/client/python timeout 300 python3 -m pytest -q -s -rs \
-      -p no:cacheprovider "$t/test_torch_cuda_gpu.py" -k "steady_state or unary_call" >"$LOGS/pytest_uds.log" 2>&1
+      -p no:cacheprovider "$t/test_torch_cuda_gpu.py" -k "steady_state or unary_call or lane" >"$LOGS/pytest_uds.log" 2>&1
     say "pytest over a unix socket exit $?"
     grep -h '^FIGURE' "$LOGS/pytest_uds.log" | sed 's/^FIGURE /FIGURE uds /' | tee -a "$SUMMARY"
     # Where a region-only call's time goes outside the attention, streamed vs unary (issue 17);
@@ -230,7 +230,7 @@ run_daemon() {
     # time and the call's own share; --cpu_latency_us=0 repeats the unary call with the cores kept
     # out of sleep states (PM QoS, root only; it says so when it cannot).
     PYTHONPATH=/tmp/site:$ROOT/client/python timeout 300 python3 "$ROOT/bench/frontend_overhead.py" \
-      --backend=cuda --tokens=4096 --heads=12 --head_dim=128 --cpu_latency_us=0 \
+      --backend=cuda --tokens=4096 --heads=12 --head_dim=128 --cpu_latency_us=0 --gap_ms=5,18,50 \
       2>>"$LOGS/frontend_overhead.err" | tee -a "$SUMMARY"
     KVPACK_TEST_UNIX_SOCKET=1 PYTHONPATH=/tmp/site:$ROOT/client/python timeout 300 python3 \
       "$ROOT/bench/frontend_overhead.py" --backend=cuda --tokens=4096 --heads=12 --head_dim=128 \

@@ -96,12 +96,16 @@ class Lane {
     if (!finished_) FutexWake(base_, lane::kRequestSeq);  // a parked thread sees stop_ at once
   }
   bool finished() const { return finished_; }
+  // Asked to close (CloseLane, its region unregistered, the table closing) or closing on its own
+  // (idle, draining, a truncated region); its thread may still be answering the call in flight.
+  bool stopping() const { return stop_; }
   const std::string& tenant() const { return tenant_; }
   const std::string& region_id() const { return region_id_; }
 
  private:
   void Run() {
     while (Wait()) Serve(last_);
+    stop_ = true;  // no longer counted open, before the client can see it closed
     Store(base_, lane::kState, lane::kStateClosed);
     FutexWake(base_, lane::kAnswerSeq);  // a client parked on its answer sees the lane closed
     region_ = RegionUse();               // an UnregisterRegion waiting for this lane completes
@@ -348,7 +352,7 @@ void LaneTable::CloseAll() {
 int LaneTable::Count() const {
   std::lock_guard<std::mutex> lock(mu_);
   int n = 0;
-  for (const auto& [id, l] : lanes_) n += l->finished() ? 0 : 1;
+  for (const auto& [id, l] : lanes_) n += l->finished() || l->stopping() ? 0 : 1;
   return n;
 }
 

@@ -53,6 +53,7 @@ class LaneTable {
   void CloseRegion(const std::string& tenant, const std::string& region_id);
   // Closes every lane and waits for their threads (draining, shutdown).
   void CloseAll();
+  // Lanes open: neither closed nor asked to close (so a CloseLane shows at once).
   int Count() const;
 
  private:
