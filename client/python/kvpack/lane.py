@@ -214,10 +214,15 @@ class Lane:
                 pass
             self.region_id = None
         if self._shm is not None:
-            del self._words
+            self.__dict__.pop("_words", None)
             self._shm.close()
             self._shm.unlink()
             self._shm = None
+
+    def __del__(self):
+        # Not closed: drop the view into the object so that SharedMemory's own finaliser can
+        # unmap it (the daemon lets the lane go when its lease passes).
+        self.__dict__.pop("_words", None)
 
     def __enter__(self):
         return self
