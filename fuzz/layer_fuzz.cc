@@ -2,8 +2,9 @@
 // limits, planner, scheduler, executor, CPU backend) over a Unix socket (LAYER_FUZZ_INPROC=1: gRPC's
 // in-process channel).
 //
-// Input: one flags byte (Flags below; kUnary sends the header over AttentionLayerRegions; without
-// kChooseDefault an unset per-head transform choice is turned off), then a
+// Input: one flags byte (Flags below; kUnary sends the header over AttentionLayerRegions, kLane
+// through a lane (kvpack/v1/lane.h); without kChooseDefault an unset per-head transform choice is
+// turned off), then a
 // v1::LayerHeader (wire bytes, or 't' + text format: ParseInput).
 // The harness registers weights that match the header's shape (flags: bias, QK-norm weights of d
 // or H·d, whether the header names them), streams every inline tensor the header declares (seeded
@@ -28,6 +29,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "client/client.h"
+#include "client/lane.h"
 #include "fuzz/fuzz_input.h"
 #include "kvpack/v1/kvpack.grpc.pb.h"
 #include "server/backends/cpu_backend.h"
@@ -51,6 +54,7 @@ enum Flags : uint8_t {
   kUseWeights = 8,     // put the registered handle into header.weights_handle
   kUnary = 16,         // send the header over the unary AttentionLayerRegions instead of the stream
   kChooseDefault = 32, // leave an unset transforms.choose_per_head at the daemon's default (on)
+  kLane = 64,          // send the header through a lane (over the socket only; wins over kUnary)
 };
 // Without kChooseDefault the harness turns an unset choose_per_head off. The choice's host evaluator
 // (pure arithmetic, held bit for bit by transform_choice_test and cuda_head_choice_test) costs tens
@@ -106,6 +110,16 @@ class Harness {
     if (!server_) Fail("the service did not start on " + socket_path_);
     stub_ = v1::Kvpack::NewStub(inproc ? server_->InProcessChannel(grpc::ChannelArguments())
                                        : grpc::CreateChannel("unix:" + socket_path_, grpc::InsecureChannelCredentials()));
+    if (!inproc) {  // the lane's region is a shared-memory object the daemon maps by name
+      client::ClientOptions o;
+      o.address = "unix:" + socket_path_;
+      absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(o);
+      if (!c.ok()) Fail("client: " + std::string(c.status().message()));
+      client_ = *std::move(c);
+      absl::StatusOr<std::unique_ptr<client::Lane>> lane = client::Lane::Open(client_.get());
+      if (!lane.ok()) Fail("OpenLane: " + std::string(lane.status().message()));
+      lane_ = *std::move(lane);
+    }
   }
 
   void Run(uint8_t flags, v1::LayerHeader header, uint64_t seed) {
@@ -114,7 +128,9 @@ class Harness {
     if (flags & kUseWeights) header.set_weights_handle(weights);
     v1::TransformOptions* transforms = header.mutable_options()->mutable_transforms();
     if (!(flags & kChooseDefault) && !transforms->has_choose_per_head()) transforms->set_choose_per_head(false);
-    const std::string kept = (flags & kUnary) ? CallUnary(header) : Call(header, seed);
+    const std::string kept = (flags & kLane) && lane_ ? CallLane(header)
+                             : (flags & (kUnary | kLane)) ? CallUnary(header)
+                                                          : Call(header, seed);
     if (!kept.empty()) Release(kept, /*weights=*/false);
     if (!weights.empty()) Release(weights, /*weights=*/true);
     CheckPoolEmpty();
@@ -278,6 +294,26 @@ class Harness {
     return status.ok() ? result.kv_handle() : "";
   }
 
+  // The same header through the lane: the daemon reads the request bytes out of shared memory.
+  std::string CallLane(const v1::LayerHeader& header) {
+    const std::string bytes = header.SerializeAsString();
+    absl::StatusOr<client::Lane::Answer> a =
+        lane_->CallRaw(v1::lane::kAttentionLayerRegions, bytes, static_cast<uint32_t>(bytes.size()),
+                       absl::FromChrono(kCallDeadline));
+    if (!a.ok()) Fail("lane: " + std::string(a.status().message()));
+    const grpc::Status status(static_cast<grpc::StatusCode>(a->code), a->code == 0 ? "" : a->bytes);
+    if (verbose_) std::fprintf(stderr, "layer_fuzz: AttentionLayerLane %d %s\n", a->code, status.error_message().c_str());
+    CheckCode(status, "AttentionLayerLane");
+    if (!status.ok()) return "";
+    v1::LayerResult result;
+    if (!result.ParseFromString(a->bytes)) Fail("AttentionLayerLane: OK without a LayerResult");
+    if (result.peak_bytes() != result.plan().predicted_peak_bytes()) {
+      Fail("AttentionLayerLane: peak " + std::to_string(result.peak_bytes()) + " != predicted " +
+           std::to_string(result.plan().predicted_peak_bytes()));
+    }
+    return result.kv_handle();
+  }
+
   void Release(const std::string& handle, bool weights) {
     std::unique_ptr<grpc::ClientContext> context = Context();
     v1::ReleaseRequest request;
@@ -321,6 +357,8 @@ class Harness {
   std::unique_ptr<KvpackService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::Kvpack::Stub> stub_;
+  std::unique_ptr<client::Client> client_;  // owns the lane's registration
+  std::unique_ptr<client::Lane> lane_;
 };
 
 }  // namespace
