@@ -284,6 +284,11 @@ std::map<std::string, int> Engine::RunningByTenant() const {
   return out;
 }
 
+void Engine::SetLaneCount(std::function<int()> count) {
+  std::lock_guard<std::mutex> lock(lane_count_mu_);
+  lane_count_ = std::move(count);
+}
+
 GaugeValues Engine::Gauges() const {
   const PoolSnapshot s = pool_->Snapshot();
   GaugeValues v;
@@ -308,6 +313,10 @@ GaugeValues Engine::Gauges() const {
   v.kv_handles = c.kv;
   v.inline_held = inline_budget_.held();
   v.inline_budget = inline_budget_.max();
+  {
+    std::lock_guard<std::mutex> lock(lane_count_mu_);
+    v.lanes = lane_count_ ? lane_count_() : 0;
+  }
   return v;
 }
 

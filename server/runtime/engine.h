@@ -146,6 +146,9 @@ class Engine {
   // Snapshots only: Status and /metrics must not wait behind layer work. Device memory is the
   // value Tick() last read (cudaMemGetInfo may wait on the driver while a layer maps memory).
   GaugeValues Gauges() const;
+  // Where Gauges() reads the lanes open (the service's lane table); empty: 0. The service sets it
+  // and clears it before it goes.
+  void SetLaneCount(std::function<int()> count);
   // Jobs running on an executor thread now (not those admitted and waiting for one).
   int Running() const;
   std::map<std::string, int> RunningByTenant() const;
@@ -189,6 +192,8 @@ class Engine {
   std::map<uint64_t, std::shared_ptr<LayerJob>> posted_;  // by task id: admitted, not yet started
   std::atomic<bool> draining_{false};
   mutable std::mutex device_mu_;
+  mutable std::mutex lane_count_mu_;
+  std::function<int()> lane_count_;  // guarded by lane_count_mu_
   DeviceMemory device_memory_;  // refreshed by Tick (every 50 ms in kvpackd)
   absl::Time last_finished_ = absl::InfinitePast();  // when the last job ended (idle trimming)
   std::unique_ptr<Executor> executor_;  // last: joined first on destruction

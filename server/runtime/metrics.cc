@@ -94,6 +94,9 @@ class Metrics::GaugeCollectable final : public prometheus::Collectable {
                                      "The --max_inline_bytes_in_flight ceiling on kvpack_inline_bytes");
     AddGauge(&inline_budget, static_cast<double>(v.inline_budget));
     out.push_back(std::move(inline_budget));
+    auto lanes = GaugeFamily("kvpack_lanes", "Lanes open (same-host calls through shared memory; each a thread)");
+    AddGauge(&lanes, v.lanes);
+    out.push_back(std::move(lanes));
     auto info = GaugeFamily("kvpack_build_info", "Which build and backend serve");
     AddGauge(&info, 1.0, {{"backend", backend_}, {"version", version_}});
     out.push_back(std::move(info));

@@ -46,6 +46,7 @@ struct GaugeValues {
   int kv_handles = 0;
   uint64_t inline_held = 0;    // host bytes of inline tensors of calls in flight
   uint64_t inline_budget = 0;  // --max_inline_bytes_in_flight
+  int lanes = 0;               // lanes open (the service's LaneTable, through Engine::SetLaneCount)
 };
 
 enum class Stage { kQueue, kProject, kAttend, kTransfer };

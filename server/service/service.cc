@@ -41,7 +41,11 @@ absl::Status TooManyChunks(const ServiceLimits& limits) {
 }
 
 KvpackService::KvpackService(Engine* engine, Auth auth, ServiceLimits limits, LaneLimits lane_limits)
-    : engine_(engine), auth_(std::move(auth)), limits_(limits), lanes_(this, lane_limits) {}
+    : engine_(engine), auth_(std::move(auth)), limits_(limits), lanes_(this, lane_limits) {
+  engine_->SetLaneCount([this] { return lanes_.Count(); });
+}
+
+KvpackService::~KvpackService() { engine_->SetLaneCount(nullptr); }
 
 absl::StatusOr<std::string> KvpackService::Admit(const grpc::CallbackServerContext& context) const {
   if (draining_) return absl::UnavailableError("kvpackd is draining before it exits");

@@ -40,6 +40,7 @@ absl::Status PlanCall(Engine& engine, const std::string& tenant, const ServiceLi
 class KvpackService final : public v1::Kvpack::CallbackService {
  public:
   KvpackService(Engine* engine, Auth auth, ServiceLimits limits, LaneLimits lane_limits = {});
+  ~KvpackService() override;
 
   // Flips every later call to UNAVAILABLE (drain) and health to NOT_SERVING.
   void StartDraining() { draining_ = true; }

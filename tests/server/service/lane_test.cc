@@ -116,7 +116,8 @@ TEST_F(LaneTest, SameBytesPlanAndPeakAsTheUnaryCall) {
   EXPECT_TRUE(Idle());
   EXPECT_TRUE(WaitFor([&] {
     const std::string m = daemon_.Metrics();
-    return Sample(m, "kvpack_requests_total{code=\"OK\",method=\"AttentionLayerLane\"}") == 1.0 &&
+    return Sample(m, "kvpack_lanes") == 1.0 &&
+           Sample(m, "kvpack_requests_total{code=\"OK\",method=\"AttentionLayerLane\"}") == 1.0 &&
            Sample(m, "kvpack_requests_total{code=\"OK\",method=\"ProjectLane\"}") == 1.0 &&
            Sample(m, "kvpack_requests_total{code=\"OK\",method=\"AttendLane\"}") == 1.0;
   }));
@@ -203,6 +204,7 @@ TEST_F(LaneTest, UnregisteringTheRegionClosesTheLane) {
   ASSERT_TRUE(c_->UnregisterRegion(lane_->region_id()).ok());
   EXPECT_EQ(lane_->state(), lane::kStateClosed);
   EXPECT_EQ(OpenLanes(*c_), 0);
+  EXPECT_EQ(Sample(daemon_.Metrics(), "kvpack_lanes"), 0.0);
   ExpectStatus(lane_->Call(lane::kAttentionLayerRegions, layer_.Header(base_, 0), absl::Seconds(30)).status(),
                absl::StatusCode::kUnavailable, "lane closed");
   EXPECT_TRUE(Idle());
