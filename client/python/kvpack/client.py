@@ -15,6 +15,7 @@ Thread-safe: one Client (one channel) may serve several threads.
 """
 
 import os
+import threading
 
 import grpc
 import numpy as np
@@ -70,6 +71,7 @@ class Client:
         # opens one (same host); False after it could not (another host, lanes off or full).
         self.lane_wanted = lane
         self.lane = None
+        self._lane_lock = threading.Lock()     # one thread opens a lane; calls queue on it
         self.lane_error = None          # why no lane could be opened
         self._metadata = []
         if token:
@@ -274,18 +276,22 @@ class Client:
         if not self.lane_wanted:
             return None
         for _ in range(2):          # a lane the daemon closed (idle, drained) is opened again once
-            if self.lane is None or self.lane.closed:
-                try:
-                    self.lane = kvpack_lane.Lane(self, timeout=self._deadline(timeout))
-                except KvpackError as e:
-                    # UNIMPLEMENTED (an older daemon), NOT_FOUND (the object is not on the
-                    # daemon's host), RESOURCE_EXHAUSTED (lanes off or all taken): use gRPC.
-                    self.lane_wanted, self.lane_error, self.lane = False, e, None
-                    return None
+            with self._lane_lock:
+                lane = self.lane
+                if lane is None or lane.closed:
+                    if lane is not None:
+                        lane.close(timeout=5.0)
+                    try:
+                        lane = self.lane = kvpack_lane.Lane(self, timeout=self._deadline(timeout))
+                    except KvpackError as e:
+                        # UNIMPLEMENTED (an older daemon), NOT_FOUND (the object is not on the
+                        # daemon's host), RESOURCE_EXHAUSTED (lanes off or all taken): use gRPC.
+                        self.lane_wanted, self.lane_error, self.lane = False, e, None
+                        return None
             try:
-                return self.lane.call(method, header, self._deadline(timeout))
+                return lane.call(method, header, self._deadline(timeout))
             except kvpack_lane.LaneClosed:
-                self.lane.close(timeout=5.0)
+                pass
         return None
 
     @staticmethod

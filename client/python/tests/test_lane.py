@@ -133,3 +133,32 @@ def test_from_env_takes_kvpack_lane(monkeypatch):
     monkeypatch.setenv("KVPACK_LANE", "0")
     with kvpack.Client.from_env(target="unix:///nonexistent.sock") as c:
         assert not c.lane_wanted
+
+
+def test_threads_share_one_lane(daemon):
+    """Calls from several threads through one client: one lane, each call answered with its own
+    result (a lane carries one call at a time; the others wait their turn)."""
+    import threading
+    with kvpack.Client(daemon.target, timeout=60, lane=True) as c:
+        layer = Layer(c)
+        try:
+            layer.run(0)
+            errors, lanes = [], set()
+
+            def worker(slot):
+                try:
+                    for _ in range(3):
+                        layer.run(slot)
+                        lanes.add(c.lane.lane_id)
+                except Exception as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=worker, args=(slot,)) for slot in (1, 2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors and len(lanes) == 1 and c.lane.calls == 7
+            assert layer.output(1) == layer.output(0) and layer.output(2) == layer.output(0)
+        finally:
+            layer.close()
