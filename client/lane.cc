@@ -1,10 +1,5 @@
 #include "client/lane.h"
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-
 #include <climits>
 #include <cstring>
 
@@ -20,19 +15,10 @@ namespace {
 constexpr absl::Duration kCancelGrace = absl::Seconds(5);
 constexpr absl::Duration kParkTick = absl::Milliseconds(10);
 
-uint32_t Load(const uint8_t* base, uint64_t at) {
-  return __atomic_load_n(reinterpret_cast<const uint32_t*>(base + at), __ATOMIC_ACQUIRE);
-}
-void Store(uint8_t* base, uint64_t at, uint32_t value) {
-  __atomic_store_n(reinterpret_cast<uint32_t*>(base + at), value, __ATOMIC_RELEASE);
-}
-void FutexWake(uint8_t* base, uint64_t at) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(base + at), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-void FutexWait(uint8_t* base, uint64_t at, uint32_t expected, absl::Duration limit) {
-  const timespec ts = absl::ToTimespec(limit);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(base + at), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
+using lane::FutexWait;
+using lane::FutexWake;
+using lane::Load;
+using lane::Store;
 
 }  // namespace
 
@@ -127,7 +113,7 @@ absl::StatusOr<Lane::Answer> Lane::CallRaw(uint32_t method, const std::string& b
         return absl::DeadlineExceededError("lane: no answer after the deadline and the cancellation");
       }
     }
-    if (now - start > options_.spin) FutexWait(base, lane::kAnswerSeq, answered, kParkTick);
+    if (now - start > options_.spin) FutexWait(base, lane::kAnswerSeq, answered, absl::ToTimespec(kParkTick));
   }
 }
 

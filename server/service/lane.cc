@@ -1,12 +1,6 @@
 #include "server/service/lane.h"
 
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
-
 #include <atomic>
-#include <climits>
 #include <condition_variable>
 #include <cstring>
 #include <system_error>
@@ -25,28 +19,17 @@ namespace kvpack::server {
 namespace lane = v1::lane;
 namespace {
 
+using lane::FutexWait;
+using lane::FutexWake;
+using lane::Load;
+using lane::Store;
+
 // While parked the lane thread wakes this often to see a close request, draining, a truncated
 // region or the idle limit; a request wakes it at once (the client's FUTEX_WAKE).
 constexpr absl::Duration kParkTick = absl::Milliseconds(100);
 // While a call runs the lane thread looks at cancel_seq this often.
 constexpr absl::Duration kCancelPoll = absl::Milliseconds(1);
 
-// The region's u32 fields are shared with another process: whole-word atomic accesses, acquire on
-// the sequence words a side waits on, release on the ones it bumps after writing the rest.
-uint32_t Load(const uint8_t* base, uint64_t at) {
-  return __atomic_load_n(reinterpret_cast<const uint32_t*>(base + at), __ATOMIC_ACQUIRE);
-}
-void Store(uint8_t* base, uint64_t at, uint32_t value) {
-  __atomic_store_n(reinterpret_cast<uint32_t*>(base + at), value, __ATOMIC_RELEASE);
-}
-// Shared (not FUTEX_PRIVATE) futexes: the other side is another process mapping the same object.
-void FutexWake(uint8_t* base, uint64_t at) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(base + at), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-void FutexWait(uint8_t* base, uint64_t at, uint32_t expected, absl::Duration limit) {
-  const timespec ts = absl::ToTimespec(limit);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(base + at), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
 void CpuRelax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -127,7 +110,7 @@ class Lane {
         continue;
       }
       if (!region_.get()->Intact().ok() || absl::Now() - last_call_ > idle_limit_) return false;
-      FutexWait(base_, lane::kRequestSeq, last_, kParkTick);
+      FutexWait(base_, lane::kRequestSeq, last_, absl::ToTimespec(kParkTick));
     }
   }
 

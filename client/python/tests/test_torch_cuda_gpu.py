@@ -117,17 +117,17 @@ def test_steady_state_registers_nothing(cuda_client):
     assert sum(regs[steady]) == 0, regs
 
 
-def test_unary_call_against_the_stream(cuda_client):
-    """The same steady-state calls over the unary AttentionLayerRegions and over the streamed
-    AttentionLayer (the client's unary_layers off): bit-identical outputs, and the time outside
-    the daemon of each (issue 17: the stream's extra messages and thread hand-offs)."""
+def alternate(client, attr, methods, seed):
+    """The same steady-state calls with client.<attr> True and False in turn (interleaved, so that
+    drift hits both alike); `methods` = the client's last_layer_method with it (True, False). Returns
+    {method: first output} and {method: (outside, wall, daemon) seconds after the warm-up calls}."""
     n = int(os.environ.get("KVPACK_SEGMENTS_TOKENS", "32760"))
     calls = int(os.environ.get("KVPACK_SEGMENTS_CALLS", "12"))
-    attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
-    q, k, v = split(fused_qkv(1, n, seed=50))
+    attend = kt.ProjectedAttention(client, formats=("int8",))
+    q, k, v = split(fused_qkv(1, n, seed=seed))
     figures, outputs = {}, {}
-    for unary in (False, True, False, True):      # interleaved: drift hits both alike
-        cuda_client.unary_layers = unary
+    for on in (True, False, True, False):
+        setattr(client, attr, on)
         outside, wall, daemon_s = [], [], []
         for _ in range(calls):
             out = attend(q, k, v)
@@ -135,21 +135,34 @@ def test_unary_call_against_the_stream(cuda_client):
             outside.append(attend.last_outside_s)
             wall.append(attend.last_wall_s)
             daemon_s.append(attend.last_result.seconds.total)
-        method = cuda_client.last_layer_method
-        assert method == ("AttentionLayerRegions" if unary else "AttentionLayer")
+        method = client.last_layer_method
+        assert method == methods[0 if on else 1], (method, client.lane_error)
         outputs.setdefault(method, out.cpu())
         figures.setdefault(method, ([], [], []))
         for acc, values in zip(figures[method], (outside, wall, daemon_s)):
             acc.extend(values[WARMUP_CALLS:])
-    cuda_client.unary_layers = True
-    same = torch.equal(outputs["AttentionLayer"], outputs["AttentionLayerRegions"])
+    attend.regions.forget_all()
+    return n, outputs, figures
+
+
+def print_figures(label, n, figures, same):
     for method, (outside, wall, daemon_s) in figures.items():
-        print(f"\nFIGURE unary method={method} tokens={n} heads={H}x{D} outside_ms median="
+        print(f"\nFIGURE {label} method={method} tokens={n} heads={H}x{D} outside_ms median="
               f"{1e3 * statistics.median(outside):.3f} max={1e3 * max(outside):.3f} daemon_ms "
               f"median={1e3 * statistics.median(daemon_s):.3f} wall/daemon="
               f"{statistics.median(wall) / statistics.median(daemon_s):.4f} "
               f"outputs_bit_identical={same}")
-    attend.regions.forget_all()
+
+
+def test_unary_call_against_the_stream(cuda_client):
+    """The same steady-state calls over the unary AttentionLayerRegions and over the streamed
+    AttentionLayer (the client's unary_layers off): bit-identical outputs, and the time outside
+    the daemon of each (issue 17: the stream's extra messages and thread hand-offs)."""
+    n, outputs, figures = alternate(cuda_client, "unary_layers",
+                                    ("AttentionLayerRegions", "AttentionLayer"), seed=50)
+    cuda_client.unary_layers = True
+    same = torch.equal(outputs["AttentionLayer"], outputs["AttentionLayerRegions"])
+    print_figures("unary", n, figures, same)
     assert same, "the unary call's output differs from the stream's"
 
 
@@ -158,36 +171,11 @@ def test_lane_against_the_unary_call(cuda_client):
     spinning for a bounded time) and over the unary AttentionLayerRegions: bit-identical
     outputs, and the time outside the daemon of each (issue 17: gRPC's wake-ups after the
     attention's idle time)."""
-    n = int(os.environ.get("KVPACK_SEGMENTS_TOKENS", "32760"))
-    calls = int(os.environ.get("KVPACK_SEGMENTS_CALLS", "12"))
-    attend = kt.ProjectedAttention(cuda_client, formats=("int8",))
-    q, k, v = split(fused_qkv(1, n, seed=51))
-    figures, outputs = {}, {}
-    for lane in (True, False, True, False):       # interleaved: drift hits both alike
-        cuda_client.lane_wanted = lane
-        outside, wall, daemon_s = [], [], []
-        for _ in range(calls):
-            out = attend(q, k, v)
-            torch.cuda.synchronize()
-            outside.append(attend.last_outside_s)
-            wall.append(attend.last_wall_s)
-            daemon_s.append(attend.last_result.seconds.total)
-        method = cuda_client.last_layer_method
-        assert method == ("AttentionLayerLane" if lane else "AttentionLayerRegions"), \
-            cuda_client.lane_error
-        outputs.setdefault(method, out.cpu())
-        figures.setdefault(method, ([], [], []))
-        for acc, values in zip(figures[method], (outside, wall, daemon_s)):
-            acc.extend(values[WARMUP_CALLS:])
+    n, outputs, figures = alternate(cuda_client, "lane_wanted",
+                                    ("AttentionLayerLane", "AttentionLayerRegions"), seed=51)
     cuda_client.lane_wanted = False
     same = torch.equal(outputs["AttentionLayerLane"], outputs["AttentionLayerRegions"])
-    for method, (outside, wall, daemon_s) in figures.items():
-        print(f"\nFIGURE lane method={method} tokens={n} heads={H}x{D} outside_ms median="
-              f"{1e3 * statistics.median(outside):.3f} max={1e3 * max(outside):.3f} daemon_ms "
-              f"median={1e3 * statistics.median(daemon_s):.3f} wall/daemon="
-              f"{statistics.median(wall) / statistics.median(daemon_s):.4f} "
-              f"outputs_bit_identical={same}")
-    attend.regions.forget_all()
+    print_figures("lane", n, figures, same)
     assert same, "the lane call's output differs from the unary call's"
 
 

@@ -40,6 +40,12 @@
 // time: a request sent before the last answer is read when that answer has been written.
 #pragma once
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <climits>
 #include <cstdint>
 
 namespace kvpack::v1::lane {
@@ -81,5 +87,26 @@ enum LaneState : uint32_t {
   kStateClosed = 2,  // closed (CloseLane, the region unregistered, idle past the lease, draining):
                      // the call in flight, if any, was answered first; open another lane or use gRPC
 };
+
+// The fields as both sides touch them (the daemon's lane.cc and client/lane.cc; kvpack/lane.py
+// does the same through ctypes). Whole-word atomic accesses: acquire on the sequence words a side
+// waits on, release on the ones it bumps after writing the rest. REQUIRES: `base` is the region's
+// first byte (page-aligned, so every field is aligned).
+inline uint32_t Load(const uint8_t* base, uint64_t at) {
+  return __atomic_load_n(reinterpret_cast<const uint32_t*>(base + at), __ATOMIC_ACQUIRE);
+}
+inline void Store(uint8_t* base, uint64_t at, uint32_t value) {
+  __atomic_store_n(reinterpret_cast<uint32_t*>(base + at), value, __ATOMIC_RELEASE);
+}
+// Shared (not FUTEX_PRIVATE) futexes: the other side is another process mapping the same object.
+// A wake or wait on an address that is no longer mapped fails with EFAULT and does nothing else.
+inline void FutexWake(uint8_t* base, uint64_t at) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(base + at), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+// Sleeps while the word at `at` holds `expected`, `limit` at most (a wake, a change or a signal
+// ends it sooner).
+inline void FutexWait(uint8_t* base, uint64_t at, uint32_t expected, const timespec& limit) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(base + at), FUTEX_WAIT, expected, &limit, nullptr, 0);
+}
 
 }  // namespace kvpack::v1::lane

@@ -52,25 +52,18 @@ void ExpectStatus(const absl::Status& s, absl::StatusCode code, const std::strin
   EXPECT_NE(s.message().find(text), std::string::npos) << s << "\n  expected to find: " << text;
 }
 
-class LaneTest : public ::testing::Test {
+class LaneTest : public RegionLayerTest {
  protected:
+  LaneTest()
+      : RegionLayerTest(SmallSpec(23), [](const client::SyntheticLayer&) {
+          return std::vector<std::string>{"--vram_budget=256Mi", "--max_lanes_per_tenant=2"};
+        }) {}
   void SetUp() override {
-    ASSERT_TRUE(daemon_.ok()) << daemon_.why();
-    c_ = daemon_.Connect();
-    absl::StatusOr<v1::WeightsResponse> w = c_->RegisterWeights(WeightsOf(L_));
-    ASSERT_TRUE(w.ok()) << w.status();
-    weights_ = *w;
-    base_ = L_.header;
-    base_.set_weights_handle(w->handle());
-    ASSERT_TRUE(layer_.Register(*c_).ok());
+    RegionLayerTest::SetUp();
+    if (HasFatalFailure()) return;
     absl::StatusOr<std::unique_ptr<client::Lane>> l = client::Lane::Open(c_.get());
     ASSERT_TRUE(l.ok()) << l.status();
     lane_ = *std::move(l);
-  }
-  bool Idle() {
-    absl::StatusOr<v1::StatusResponse> s = c_->Status();
-    return s.ok() && s->pool_bytes() == weights_.pool_bytes() && s->reserved_bytes() == 0 && s->running() == 0 &&
-           s->queue_depth() == 0;
   }
   absl::Status Raw(uint32_t method, const std::string& bytes, uint32_t declared) {
     absl::StatusOr<client::Lane::Answer> a = lane_->CallRaw(method, bytes, declared, absl::Seconds(30));
@@ -78,12 +71,6 @@ class LaneTest : public ::testing::Test {
     return absl::Status(static_cast<absl::StatusCode>(a->code), a->code == 0 ? "" : a->bytes);
   }
 
-  DaemonProcess daemon_{{"--vram_budget=256Mi", "--max_lanes_per_tenant=2"}};
-  std::unique_ptr<client::Client> c_;
-  client::SyntheticLayer L_ = client::MakeSyntheticLayer(SmallSpec(23));
-  RegionLayer layer_{L_};
-  v1::WeightsResponse weights_;
-  v1::LayerHeader base_;
   std::unique_ptr<client::Lane> lane_;
 };
 
@@ -223,38 +210,25 @@ TEST_F(LaneTest, ATruncatedObjectClosesTheLaneAndTheDaemonServesOn) {
   EXPECT_TRUE(Idle());
 }
 
-TEST(LaneLifetimeTest, DeadlineAndCancelMidLayerFreeTheMemory) {
-  const client::SyntheticLayer L = client::MakeSyntheticLayer(LongSpec());
-  DaemonProcess daemon({"--vram_budget=" + std::to_string(WeightsPoolBytes(L) + 2 * LayerPeakBytes(L, 256)),
-                        "--max_chunk_tokens=256"});
-  ASSERT_TRUE(daemon.ok());
-  auto c = daemon.Connect();
-  absl::StatusOr<v1::WeightsResponse> w = c->RegisterWeights(WeightsOf(L));
-  ASSERT_TRUE(w.ok()) << w.status();
-  RegionLayer layer(L);
-  ASSERT_TRUE(layer.Register(*c).ok());
-  v1::LayerHeader base = L.header;
-  base.set_weights_handle(w->handle());
-  absl::StatusOr<std::unique_ptr<client::Lane>> l = client::Lane::Open(c.get());
+using LaneCancelTest = LongRegionLayerTest;
+
+TEST_F(LaneCancelTest, DeadlineAndCancelMidLayerFreeTheMemory) {
+  absl::StatusOr<std::unique_ptr<client::Lane>> l = client::Lane::Open(c_.get());
   ASSERT_TRUE(l.ok()) << l.status();
-  const auto idle = [&] {
-    absl::StatusOr<v1::StatusResponse> s = c->Status();
-    return s.ok() && s->pool_bytes() == w->pool_bytes() && s->reserved_bytes() == 0 && s->running() == 0;
-  };
 
   absl::StatusOr<v1::LayerResult> r =
-      (*l)->Call(lane::kAttentionLayerRegions, layer.Header(base, 0), absl::Milliseconds(150));
+      (*l)->Call(lane::kAttentionLayerRegions, layer_.Header(base_, 0), absl::Milliseconds(150));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
-  EXPECT_TRUE(WaitFor([&] { return idle(); }, std::chrono::milliseconds(5000 * kSanitizerSlowdown)));
+  EXPECT_TRUE(WaitFor([&] { return Idle(); }, std::chrono::milliseconds(5000 * kSanitizerSlowdown)));
 
   // cancel_seq while the layer runs: the call stops, answers CANCELLED, and its memory returns.
   absl::Status cancelled;
   std::thread call([&] {
-    cancelled = (*l)->Call(lane::kAttentionLayerRegions, layer.Header(base, 1), absl::Seconds(600)).status();
+    cancelled = (*l)->Call(lane::kAttentionLayerRegions, layer_.Header(base_, 1), absl::Seconds(600)).status();
   });
   ASSERT_TRUE(WaitFor([&] {
-    absl::StatusOr<v1::StatusResponse> s = c->Status();
-    return s->running() == 1 && s->pool_bytes() > w->pool_bytes();
+    absl::StatusOr<v1::StatusResponse> s = c_->Status();
+    return s->running() == 1 && s->pool_bytes() > weights_.pool_bytes();
   }));
   uint8_t* region = (*l)->region();
   __atomic_store_n(reinterpret_cast<uint32_t*>(region + lane::kCancelSeq),
@@ -262,12 +236,12 @@ TEST(LaneLifetimeTest, DeadlineAndCancelMidLayerFreeTheMemory) {
                    __ATOMIC_RELEASE);
   call.join();
   EXPECT_EQ(cancelled.code(), absl::StatusCode::kCancelled) << cancelled;
-  EXPECT_TRUE(WaitFor([&] { return idle(); }, std::chrono::milliseconds(5000 * kSanitizerSlowdown)));
+  EXPECT_TRUE(WaitFor([&] { return Idle(); }, std::chrono::milliseconds(5000 * kSanitizerSlowdown)));
   EXPECT_TRUE(WaitFor([&] {
-    return Sample(daemon.Metrics(), "kvpack_requests_total{code=\"CANCELLED\",method=\"AttentionLayerLane\"}") == 1.0;
+    return Sample(daemon_.Metrics(), "kvpack_requests_total{code=\"CANCELLED\",method=\"AttentionLayerLane\"}") == 1.0;
   }));
   // Still serving: the same layer runs to the end.
-  EXPECT_TRUE((*l)->Call(lane::kAttentionLayerRegions, layer.Header(base, 2), absl::Seconds(600)).ok());
+  EXPECT_TRUE((*l)->Call(lane::kAttentionLayerRegions, layer_.Header(base_, 2), absl::Seconds(600)).ok());
 }
 
 TEST(LaneLifetimeTest, ALaneIdleForTheLeaseClosesAndDrainingClosesTheRest) {

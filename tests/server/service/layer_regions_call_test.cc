@@ -18,24 +18,12 @@
 namespace kvpack::testing {
 namespace {
 
-class LayerRegionsCallTest : public ::testing::Test {
+class LayerRegionsCallTest : public RegionLayerTest {
  protected:
-  void SetUp() override {
-    ASSERT_TRUE(daemon_.ok()) << daemon_.why();
-    c_ = daemon_.Connect();
-    absl::StatusOr<v1::WeightsResponse> w = c_->RegisterWeights(WeightsOf(L_));
-    ASSERT_TRUE(w.ok()) << w.status();
-    weights_ = *w;
-    base_ = L_.header;
-    base_.set_weights_handle(w->handle());
-    ASSERT_TRUE(layer_.Register(*c_).ok());
-  }
-  // The weights alone in the pool, nothing running or queued.
-  bool Idle() {
-    absl::StatusOr<v1::StatusResponse> s = c_->Status();
-    return s.ok() && s->pool_bytes() == weights_.pool_bytes() && s->reserved_bytes() == 0 && s->running() == 0 &&
-           s->queue_depth() == 0;
-  }
+  LayerRegionsCallTest()
+      : RegionLayerTest(SmallSpec(17), [](const client::SyntheticLayer&) {
+          return std::vector<std::string>{"--vram_budget=256Mi"};
+        }) {}
   void ExpectError(const std::string& method, const v1::LayerHeader& h, absl::StatusCode code,
                    const std::string& text) {
     absl::StatusOr<v1::LayerResult> r = Unary(*c_, method, h);
@@ -43,13 +31,6 @@ class LayerRegionsCallTest : public ::testing::Test {
     EXPECT_EQ(r.status().code(), code) << r.status();
     EXPECT_NE(r.status().message().find(text), std::string::npos) << r.status();
   }
-
-  DaemonProcess daemon_{{"--vram_budget=256Mi"}};
-  std::unique_ptr<client::Client> c_;
-  client::SyntheticLayer L_ = client::MakeSyntheticLayer(SmallSpec(17));
-  RegionLayer layer_{L_};
-  v1::WeightsResponse weights_;
-  v1::LayerHeader base_;
 };
 
 TEST_F(LayerRegionsCallTest, SameOutputBytesPlanAndPeakAsTheStream) {
@@ -182,45 +163,31 @@ TEST_F(LayerRegionsCallTest, InlineTensorsAndMalformedHeadersNameTheField) {
   }));
 }
 
-TEST(LayerRegionsCallCancelTest, DeadlineAndCancelMidLayerFreeTheMemory) {
-  const client::SyntheticLayer L = client::MakeSyntheticLayer(LongSpec());
-  DaemonProcess daemon({"--vram_budget=" + std::to_string(WeightsPoolBytes(L) + 2 * LayerPeakBytes(L, 256)),
-                        "--max_chunk_tokens=256"});
-  ASSERT_TRUE(daemon.ok());
-  auto c = daemon.Connect();
-  absl::StatusOr<v1::WeightsResponse> w = c->RegisterWeights(WeightsOf(L));
-  ASSERT_TRUE(w.ok()) << w.status();
-  RegionLayer layer(L);
-  ASSERT_TRUE(layer.Register(*c).ok());
-  v1::LayerHeader base = L.header;
-  base.set_weights_handle(w->handle());
-  const auto idle = [&] {
-    absl::StatusOr<v1::StatusResponse> s = c->Status();
-    return s.ok() && s->pool_bytes() == w->pool_bytes() && s->reserved_bytes() == 0 && s->running() == 0;
-  };
+using LayerRegionsCallCancelTest = LongRegionLayerTest;
 
-  absl::StatusOr<v1::LayerResult> r = Unary(*c, "AttentionLayerRegions", layer.Header(base, 0), absl::Milliseconds(150));
+TEST_F(LayerRegionsCallCancelTest, DeadlineAndCancelMidLayerFreeTheMemory) {
+  absl::StatusOr<v1::LayerResult> r = Unary(*c_, "AttentionLayerRegions", layer_.Header(base_, 0), absl::Milliseconds(150));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
-  EXPECT_TRUE(WaitFor([&] { return idle(); }, std::chrono::milliseconds(5000 * kSanitizerSlowdown)));
+  EXPECT_TRUE(WaitFor([&] { return Idle(); }, std::chrono::milliseconds(5000 * kSanitizerSlowdown)));
 
   // The client cancels while the layer runs (holding its K/V and workspace).
   grpc::ClientContext context;
-  c->Prepare(&context);
-  const v1::LayerHeader header = layer.Header(base, 1);
+  c_->Prepare(&context);
+  const v1::LayerHeader header = layer_.Header(base_, 1);
   v1::LayerResult result;
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   grpc::Status status;
-  c->stub()->async()->AttentionLayerRegions(&context, &header, &result, [&](grpc::Status s) {
+  c_->stub()->async()->AttentionLayerRegions(&context, &header, &result, [&](grpc::Status s) {
     std::lock_guard<std::mutex> lock(mu);
     status = s;
     done = true;
     cv.notify_all();
   });
   ASSERT_TRUE(WaitFor([&] {
-    absl::StatusOr<v1::StatusResponse> s = c->Status();
-    return s->running() == 1 && s->pool_bytes() > w->pool_bytes();
+    absl::StatusOr<v1::StatusResponse> s = c_->Status();
+    return s->running() == 1 && s->pool_bytes() > weights_.pool_bytes();
   }));
   context.TryCancel();
   {
@@ -228,13 +195,13 @@ TEST(LayerRegionsCallCancelTest, DeadlineAndCancelMidLayerFreeTheMemory) {
     cv.wait(lock, [&] { return done; });
   }
   EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED) << status.error_message();
-  EXPECT_TRUE(WaitFor([&] { return idle(); }, std::chrono::milliseconds(5000 * kSanitizerSlowdown)));
+  EXPECT_TRUE(WaitFor([&] { return Idle(); }, std::chrono::milliseconds(5000 * kSanitizerSlowdown)));
   EXPECT_TRUE(WaitFor([&] {
-    return Sample(daemon.Metrics(), "kvpack_requests_total{code=\"CANCELLED\",method=\"AttentionLayerRegions\"}") == 1.0;
+    return Sample(daemon_.Metrics(), "kvpack_requests_total{code=\"CANCELLED\",method=\"AttentionLayerRegions\"}") == 1.0;
   }));
 
   // Still serving: the same layer runs to the end.
-  EXPECT_TRUE(Unary(*c, "AttentionLayerRegions", layer.Header(base, 2)).ok());
+  EXPECT_TRUE(Unary(*c_, "AttentionLayerRegions", layer_.Header(base_, 2)).ok());
 }
 
 TEST(LayerRegionsCallAuthTest, TokensAndTenantsAsOnTheStream) {

@@ -13,6 +13,8 @@
 #include "absl/time/time.h"
 #include "client/client.h"
 #include "client/synthetic.h"
+#include "tests/server/service/daemon_process.h"
+#include "tests/server/service/test_layers.h"
 
 namespace kvpack::testing {
 
@@ -74,6 +76,50 @@ class RegionLayer {
   uint64_t x_bytes_ = 0, pos_bytes_ = 0, out_at_ = 0;
   std::unique_ptr<client::SharedMemory> shm_;
   std::string region_;
+};
+
+// A daemon of the test's own with a synthetic layer's weights registered and its x and positions
+// in a region (layer_regions_call_test.cc, lane_test.cc). `flags` may size the daemon to the layer.
+class RegionLayerTest : public ::testing::Test {
+ protected:
+  using Flags = std::vector<std::string> (*)(const client::SyntheticLayer&);
+  RegionLayerTest(const client::SyntheticSpec& spec, Flags flags)
+      : L_(client::MakeSyntheticLayer(spec)), daemon_(flags(L_)), layer_(L_) {}
+
+  void SetUp() override {
+    ASSERT_TRUE(daemon_.ok()) << daemon_.why();
+    c_ = daemon_.Connect();
+    absl::StatusOr<v1::WeightsResponse> w = c_->RegisterWeights(WeightsOf(L_));
+    ASSERT_TRUE(w.ok()) << w.status();
+    weights_ = *w;
+    base_ = L_.header;
+    base_.set_weights_handle(w->handle());
+    ASSERT_TRUE(layer_.Register(*c_).ok());
+  }
+  // The weights alone in the pool, nothing running or queued.
+  bool Idle() {
+    absl::StatusOr<v1::StatusResponse> s = c_->Status();
+    return s.ok() && s->pool_bytes() == weights_.pool_bytes() && s->reserved_bytes() == 0 && s->running() == 0 &&
+           s->queue_depth() == 0;
+  }
+
+  const client::SyntheticLayer L_;
+  DaemonProcess daemon_;
+  RegionLayer layer_;
+  std::unique_ptr<client::Client> c_;
+  v1::WeightsResponse weights_;
+  v1::LayerHeader base_;
+};
+
+// LongSpec's layer (~0.5 s) with room for two such layers in chunks of 256: the deadline and cancel
+// tests of the unary call and of the lane.
+class LongRegionLayerTest : public RegionLayerTest {
+ protected:
+  LongRegionLayerTest()
+      : RegionLayerTest(LongSpec(), [](const client::SyntheticLayer& L) {
+          return std::vector<std::string>{"--vram_budget=" + std::to_string(WeightsPoolBytes(L) + 2 * LayerPeakBytes(L, 256)),
+                                          "--max_chunk_tokens=256"};
+        }) {}
 };
 
 }  // namespace kvpack::testing
