@@ -3,6 +3,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <new>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -87,7 +88,13 @@ class Lane {
 
  private:
   void Run() {
-    while (Wait()) Serve(last_);
+    while (Wait()) {
+      try {
+        Serve(last_);
+      } catch (const std::bad_alloc&) {  // before the call was submitted (Serve catches it after)
+        WriteAnswer(last_, grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, ""), nullptr);
+      }
+    }
     stop_ = true;  // no longer counted open, before the client can see it closed
     Store(base_, lane::kState, lane::kStateClosed);
     FutexWake(base_, lane::kAnswerSeq);  // a client parked on its answer sees the lane closed
@@ -158,13 +165,22 @@ class Lane {
     std::mutex mu;
     std::condition_variable cv;
     bool answered = false;
+    std::atomic<bool> claimed{false};
+    // Exactly one answer per request, even when an allocation fails on the way to it (the lane
+    // thread waits for it): the first call claims it; a std::bad_alloc inside becomes
+    // RESOURCE_EXHAUSTED without a message.
     auto finish = [&](absl::Status status, bool with_result) {
-      grpc::Status out;
-      if (status.ok() && with_result && result.ByteSizeLong() > answer_area_) {
-        status = absl::ResourceExhaustedError(absl::StrCat("the LayerResult is ", result.ByteSizeLong(),
-                                                           " bytes; the lane's answer area holds ", answer_area_));
+      if (claimed.exchange(true)) return;
+      grpc::Status out(grpc::StatusCode::RESOURCE_EXHAUSTED, "");
+      try {
+        if (status.ok() && with_result && result.ByteSizeLong() > answer_area_) {
+          status = absl::ResourceExhaustedError(absl::StrCat("the LayerResult is ", result.ByteSizeLong(),
+                                                             " bytes; the lane's answer area holds ", answer_area_));
+        }
+        (void)state.FinishOnce(std::move(status), &out);  // the only FinishOnce of this call
+      } catch (const std::bad_alloc&) {
+        out = grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "");
       }
-      if (!state.FinishOnce(std::move(status), &out)) return;
       WriteAnswer(seq, out, out.ok() ? &result : nullptr);
       std::lock_guard<std::mutex> lock(mu);
       answered = true;
