@@ -4,7 +4,7 @@ on the daemon's host (proto/kvpack/v1/lane.h is the layout, docs/api.md "Lanes" 
     client = kvpack.Client(target, lane=True)      # or KVPACK_LANE=1 with Client.from_env()
 
 Between two attention calls both processes sleep through the attention, and waking gRPC's
-threads on both sides costs more than the round trip itself (0.88 ms on the H100 host after 18 ms
+threads on both sides costs more than the round trip itself (0.88 ms on the H200 host after 18 ms
 idle, 0.37 back to back). On a lane the daemon's thread spins on a sequence word for a bounded
 window after each answer and this client spins on the answer's word while it waits, so a call
 costs microseconds of transport; both sides sleep on a futex after their spin window.

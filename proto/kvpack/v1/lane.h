@@ -5,7 +5,7 @@
 //
 // Why: between two attention calls of a diffusion step both processes sleep for the whole
 // attention (tens of ms). Waking gRPC's threads on both sides then costs more than the round trip
-// itself (session 17 on the H100 host: 0.37 ms back to back, 0.88 ms after 18 ms idle; this 2-core
+// itself (session 17 on the H200 host: 0.37 ms back to back, 0.88 ms after 18 ms idle; this 2-core
 // VM: 0.10 / 0.63 ms). On a lane the daemon's lane thread and the caller spin on a sequence word
 // for a bounded time and only then sleep on a futex, so a call that comes within the spin window
 // is seen in microseconds.
