@@ -216,7 +216,9 @@ def test_wan_model_on_the_gpu_by_cuda_ipc():
     except Exception as e:  # noqa: BLE001 - the daemon could not start on the GPU
         pytest.skip(f"no CUDA-backed kvpackd: {e}")
     try:
-        with kvpack.Client(daemon.target, timeout=120) as c:
+        # KVPACK_LANE=1: the calls go through a lane (kvpack.lane), as the node's would.
+        lane = os.environ.get("KVPACK_LANE", "") not in ("", "0")
+        with kvpack.Client(daemon.target, timeout=120, lane=lane) as c:
             if c.status().backend != "cuda":
                 pytest.skip("kvpackd fell back to the CPU backend")
             attend = kt.ProjectedAttention(c, formats=("int8",))
@@ -233,7 +235,7 @@ def test_wan_model_on_the_gpu_by_cuda_ipc():
             assert attend.last_transport == "cuda_ipc"
             steady = attend.regions.registrations - registered
             c_ = cosine(got, want)
-            print(f"\nFIGURE comfy wan gpu tokens={tokens} cosine_vs_comfy={c_:.6f} "
+            print(f"\nFIGURE comfy wan gpu tokens={tokens} method={c.last_layer_method} cosine_vs_comfy={c_:.6f} "
                   f"registrations_step1={registered} registrations_after={steady} "
                   f"outside_ms_last_calls={[round(1e3 * o, 3) for o in outside]} "
                   f"daemon_ms={[round(1e3 * s, 3) for s in daemon_s]} "
