@@ -81,6 +81,9 @@ class Lane:
     def __init__(self, client, *, area_bytes=256 << 10, spin_s=None, daemon_spin_us=0, timeout=None):
         if not MIN_AREA <= area_bytes <= MAX_AREA:
             raise ValueError(f"area_bytes must be in [{MIN_AREA}, {MAX_AREA}]")
+        if spin_s is None:          # asked first: nothing to undo when it fails
+            gpu = client.status(timeout).backend == "cuda"
+            spin_s = SPIN_S_GPU if gpu else SPIN_S_CPU
         self._client = client
         self.area_bytes = area_bytes
         self.spin_s = spin_s
@@ -101,9 +104,6 @@ class Lane:
             self._release(timeout)
             raise
         self.lane_id = opened.lane_id
-        if spin_s is None:
-            gpu = client.status(timeout).backend == "cuda"
-            self.spin_s = SPIN_S_GPU if gpu else SPIN_S_CPU
         self.daemon_spin_us = opened.spin_us
         self.calls = 0
 
@@ -123,7 +123,7 @@ class Lane:
                 raise LaneClosed()
             seq = self._send(METHODS[method], data, timeout)
             code, answer = self._wait(seq, timeout, method)
-        self.calls += 1
+            self.calls += 1
         if code == 0:
             return pb.LayerResult.FromString(answer)
         status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
