@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kvpack/v1/lane.h"
+#include "server/runtime/bounded.h"
 #include "server/service/layer_call_state.h"
 #include "server/service/service.h"
 #include "server/service/upload.h"
@@ -53,10 +54,9 @@ bool ModeOf(uint32_t method, LayerMode* mode) {
 // One lane: its thread, its region, its tenant. Created by LaneTable::Open with the region checked.
 class Lane {
  public:
-  Lane(KvpackService* service, std::string id, std::string tenant, std::string region_id, RegionUse region,
-       uint8_t* base, uint32_t request_area, uint32_t answer_area, absl::Duration spin, absl::Duration idle_limit)
+  Lane(KvpackService* service, std::string tenant, std::string region_id, RegionUse region, uint8_t* base,
+       uint32_t request_area, uint32_t answer_area, absl::Duration spin, absl::Duration idle_limit)
       : service_(service),
-        id_(std::move(id)),
         tenant_(std::move(tenant)),
         region_id_(std::move(region_id)),
         region_(std::move(region)),
@@ -236,7 +236,7 @@ class Lane {
   }
 
   KvpackService* const service_;
-  const std::string id_, tenant_, region_id_;
+  const std::string tenant_, region_id_;
   RegionUse region_;
   uint8_t* const base_;
   const uint32_t request_area_, answer_area_;
@@ -283,10 +283,9 @@ absl::StatusOr<v1::OpenLaneResponse> LaneTable::Open(const std::string& tenant, 
   std::lock_guard<std::mutex> lock(mu_);
   ReapLocked();
   int of_tenant = 0;
-  for (const auto& [id, l] : lanes_) {
-    if (l->finished()) continue;
+  for (const auto& [id, l] : lanes_) {  // region ids are unique across tenants
     if (l->tenant() == tenant) ++of_tenant;
-    if (l->tenant() == tenant && l->region_id() == request.region_id()) {
+    if (l->region_id() == request.region_id()) {
       return absl::FailedPreconditionError(absl::StrCat("region_id: already carries lane ", id));
     }
   }
@@ -301,7 +300,7 @@ absl::StatusOr<v1::OpenLaneResponse> LaneTable::Open(const std::string& tenant, 
       request.spin_us() == 0 ? limits_.max_spin_us : std::min(request.spin_us(), limits_.max_spin_us);
   const absl::Duration idle = registry.lease();
   std::string id = Registry::NewId("l-");
-  auto l = std::make_unique<Lane>(service_, id, tenant, request.region_id(), *std::move(use), *whole, request_area,
+  auto l = std::make_unique<Lane>(service_, tenant, request.region_id(), *std::move(use), *whole, request_area,
                                   answer_area, absl::Microseconds(spin_us), idle);
   try {
     l->Start();
@@ -319,11 +318,11 @@ absl::StatusOr<v1::OpenLaneResponse> LaneTable::Open(const std::string& tenant, 
 }
 
 absl::Status LaneTable::Close(const std::string& tenant, const std::string& lane_id) {
+  if (lane_id.empty()) return absl::InvalidArgumentError("lane_id: required");
   std::lock_guard<std::mutex> lock(mu_);
   auto it = lanes_.find(lane_id);
-  if (lane_id.empty()) return absl::InvalidArgumentError("lane_id: required");
   if (it == lanes_.end() || it->second->tenant() != tenant) {
-    return absl::NotFoundError(absl::StrCat("lane_id = \"", lane_id.substr(0, 64), "\": no such lane for this tenant"));
+    return absl::NotFoundError(absl::StrCat("lane_id = \"", Bounded(lane_id), "\": no such lane for this tenant"));
   }
   it->second->Stop();
   ReapLocked();

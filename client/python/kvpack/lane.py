@@ -173,7 +173,7 @@ class Lane:
                                       f"no answer on lane {self.lane_id} {CANCEL_GRACE_S:.0f} s "
                                       "after the deadline; the lane is dropped", method + "Lane")
             if now > spin_until:
-                self._park(answer_at, w[answer_at])
+                self._park(_ANSWER_SEQ, w[answer_at])
 
     # ── futexes on the shared words ──────────────────────────────────────────────────────────
 
@@ -184,12 +184,12 @@ class Lane:
         if _SYS_FUTEX is not None:
             _futex(self._base + at, _FUTEX_WAKE, 0x7FFFFFFF)
 
-    def _park(self, index, value):
+    def _park(self, at, value):
         if _SYS_FUTEX is None:
             time.sleep(1e-4)
             return
         ts = _Timespec(0, int(_PARK_TICK_S * 1e9))
-        _futex(self._base + 4 * index, _FUTEX_WAIT, value, ctypes.byref(ts))
+        _futex(self._base + at, _FUTEX_WAIT, value, ctypes.byref(ts))
 
     # ── lifetime ─────────────────────────────────────────────────────────────────────────────
 
